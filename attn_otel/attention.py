@@ -1,0 +1,97 @@
+"""Attention probabilities and per-row health metrics from captured queries and keys (torch, no vLLM).
+
+All math runs on the device the tensors live on, in float32, a band of query rows at a time, so the
+extra memory is ``heads * ROWS * T * 4`` bytes: linear in T.  Nothing here synchronises with the host.
+
+Per-row metrics (row i is the query of token i; n_i = i + 1 keys are visible; N = prompt length):
+
+- ``entropy``            H_i = -sum_j A_ij ln A_ij
+- ``entropy_norm``       H_i / ln(n_i); NaN for row 0 (one visible key)
+- ``sink_mass_first``    A_i0, for rows i >= k (else NaN)
+- ``sink_mass_k``        sum_{j<k} A_ij, for rows i >= k (StreamingLLM, arXiv:2309.17453)
+- ``vision_share``       sum over visible image-embedding keys; NaN where none is visible
+- ``vision_share_norm``  vision_share / (|visible image keys| / n_i)
+- ``lookback_ratio``     generated rows i > N only (Lookback Lens, arXiv:2407.07071):
+                         ctx / (ctx + gen), ctx = mean_{j<N} A_ij, gen = mean_{N<=j<i} A_ij
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROWS = 64
+METRICS = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share",
+           "vision_share_norm", "lookback_ratio")
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int) -> torch.Tensor:
+    """Softmax rows r0..r1-1 for every query head: float32 [Hq, r1-r0, T]; causal; GQA by head groups."""
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qf = q[r0:r1].float().permute(1, 0, 2).reshape(hkv, g * (r1 - r0), d)  # [Hkv, g*rows, D]
+    kf = k.float().permute(1, 2, 0)  # [Hkv, D, T]
+    logits = torch.bmm(qf, kf).view(hq, r1 - r0, T).mul_(scale)
+    rows = torch.arange(r0, r1, device=q.device).view(1, -1, 1)
+    cols = torch.arange(T, device=q.device).view(1, 1, -1)
+    logits.masked_fill_(cols > rows, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def attention_maps(q: torch.Tensor, k: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                   rows: int = ROWS) -> torch.Tensor:
+    """Full causal maps [Hq, T, T] (written into ``out`` when given, any float dtype)."""
+    T, hq, _ = q.shape
+    if out is None:
+        out = torch.empty((hq, T, T), dtype=torch.float32, device=q.device)
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        out[:, r0:r1] = _probs(q, k, scale, r0, r1)
+    return out
+
+
+def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int,
+                      sink_tokens: int = 4, vision_mask: torch.Tensor | None = None,
+                      maps_out: torch.Tensor | None = None, rows: int = ROWS) -> torch.Tensor:
+    """Per-row metrics float32 [len(METRICS), Hq, T] (NaN where undefined), never holding a full map.
+
+    With ``maps_out`` ([Hq, T, T]), the probabilities are also written there, band by band.
+    """
+    T, hq, _ = q.shape
+    dev = q.device
+    res = torch.full((len(METRICS), hq, T), float("nan"), dtype=torch.float32, device=dev)
+    n_vis = torch.arange(1, T + 1, device=dev, dtype=torch.float32)
+    log_n = torch.log(n_vis)
+    vm = vision_mask.to(device=dev, dtype=torch.float32) if vision_mask is not None else None
+    vis_count = torch.cumsum(vm, 0) if vm is not None else None
+    N = int(prompt_len)
+    kk = int(sink_tokens)
+    for r0 in range(0, T, rows):
+        r1 = min(T, r0 + rows)
+        p = _probs(q, k, scale, r0, r1)  # [H, r, T]
+        if maps_out is not None:
+            maps_out[:, r0:r1] = p
+        ent = -torch.xlogy(p, p).sum(-1)
+        res[0, :, r0:r1] = ent
+        ln = log_n[r0:r1]
+        res[1, :, r0:r1] = torch.where(ln > 0, ent / ln.clamp_min(1e-30), torch.nan)
+        ok = (torch.arange(r0, r1, device=dev) >= kk)
+        res[2, :, r0:r1] = torch.where(ok, p[..., 0], torch.nan)
+        res[3, :, r0:r1] = torch.where(ok, p[..., :kk].sum(-1), torch.nan)
+        if vm is not None:
+            share = (p * vm).sum(-1)
+            cnt = vis_count[r0:r1]
+            res[4, :, r0:r1] = torch.where(cnt > 0, share, torch.nan)
+            chance = cnt / n_vis[r0:r1]
+            res[5, :, r0:r1] = torch.where(cnt > 0, share / chance.clamp_min(1e-30), torch.nan)
+        if r1 > N + 1 and N > 0:
+            a = max(r0, N + 1)
+            pa = p[:, a - r0:]
+            ctx = pa[..., :N].sum(-1) / N
+            i = torch.arange(a, r1, device=dev)
+            gen_cols = torch.arange(T, device=dev)
+            gmask = (gen_cols >= N).view(1, -1) & (gen_cols.view(1, -1) < i.view(-1, 1))  # [r, T]
+            gen = (pa * gmask).sum(-1) / (i - N).float()
+            res[6, :, a:r1] = ctx / (ctx + gen).clamp_min(1e-30)
+    return res
+

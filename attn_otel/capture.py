@@ -1,0 +1,353 @@
+"""The capture engine: device-side Q/K taps paged like the KV cache, finish-time math, bounded hand-off.
+
+vLLM-free: :mod:`attn_otel.vllm_adapter` feeds it tensors and request views; everything here works on
+plain torch tensors, so it is tested without an engine as well as through one.
+
+Why a tap and not the KV cache: a query is gone after its step, and a request's rows are only known in
+full when it finishes.  Each step, every captured layer scatters its queries (and keys) into a tap
+indexed by the same slot ids as the KV cache (``index_copy_`` by ``slot_mapping``: no host sync, valid
+inside CUDA-graph capture).  Prefix caching then comes for free: a cached block still holds the Q/K the
+request that computed it wrote, and those are bit-identical for identical tokens and positions.  Keys are
+tapped too (not read back from the KV cache) so that one code path serves every backend and KV layout,
+including the CPU backend's ISA-specific packing; see the README for what that costs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .attention import METRICS, attention_metrics
+from .config import Config, RequestOptions
+from .ids import maps_sampled, new_span_id, new_trace_id, parse_traceparent
+from .store import CaptureRecord, open_zarr_store, write_capture
+
+logger = logging.getLogger("attn_otel")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    index: int  # model layer number (0-based, in model order)
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    group: int = 0  # KV-cache group of the layer
+
+
+class QKTap:
+    """Per captured layer, Q ``[slots+1, Hq, D]`` and K ``[slots+1, Hkv, D]`` on the model's device.
+
+    The extra last slot absorbs padded tokens (``slot_mapping == -1``), so a write never branches.
+    """
+
+    def __init__(self, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype, device):
+        self.layers = {spec.index: spec for spec in layers}
+        self.num_slots = int(num_slots)
+        self.q: dict[int, torch.Tensor] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        for spec in layers:
+            self.q[spec.index] = torch.zeros((num_slots + 1, spec.num_heads, spec.head_dim), dtype=dtype, device=device)
+            self.k[spec.index] = torch.zeros((num_slots + 1, spec.num_kv_heads, spec.head_dim), dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(layers: Sequence[LayerSpec], dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum((s.num_heads + s.num_kv_heads) * s.head_dim * size for s in layers)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.q.values(), *self.k.values()))
+
+    def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.to(torch.long)
+        slots = torch.where(slots < 0, self.num_slots, slots)
+        qc, kc = self.q[layer], self.k[layer]
+        qc.index_copy_(0, slots, query[:n].reshape(n, qc.shape[1], qc.shape[2]).to(qc.dtype))
+        kc.index_copy_(0, slots, key[:n].reshape(n, kc.shape[1], kc.shape[2]).to(kc.dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q[layer].index_select(0, slots), self.k[layer].index_select(0, slots)
+
+
+@dataclasses.dataclass
+class FinishedRequest:
+    """What the adapter knows of a request when it finishes, before its blocks can be reused."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    num_tokens: int  # tokens whose Q/K went through the model (prompt + generated - last sampled)
+    block_ids: Sequence[Sequence[int]]  # per KV-cache group
+    block_sizes: Sequence[int]  # per KV-cache group
+    extra_args: dict[str, Any] | None = None
+    vision_positions: np.ndarray | None = None  # bool [>= num_tokens], True on image-embedding tokens
+
+
+class Stats:
+    """Capture counters, read by the exporters (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.captured = 0
+        self.stored = 0
+        self.maps_stored = 0
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.skipped: collections.Counter[str] = collections.Counter()
+        self.bytes_written = 0
+        self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)
+
+    def add(self, field: str, n: int = 1, reason: str | None = None) -> None:
+        with self._lock:
+            if reason is None:
+                setattr(self, field, getattr(self, field) + n)
+            else:
+                getattr(self, field)[reason] += n
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"captured": self.captured, "stored": self.stored, "maps_stored": self.maps_stored,
+                    "dropped": dict(self.dropped), "skipped": dict(self.skipped),
+                    "bytes_written": self.bytes_written}
+
+
+@dataclasses.dataclass
+class _Job:
+    record: CaptureRecord
+    per_row: torch.Tensor  # [len(METRICS), L, H, T] on host (pinned when the device is a GPU)
+    maps: torch.Tensor | None  # float16 [L, H, T, T] on host
+    event: Any  # torch.cuda.Event or None
+    nbytes: int
+    t_finish: float
+
+
+class Handoff:
+    """Bounded (in bytes) queue from the engine loop to one writer thread: put never blocks; when a
+    capture does not fit, it is dropped and counted."""
+
+    def __init__(self, config: Config, stats: Stats, sink: Callable[[_Job], None]):
+        self.capacity = config.queue_bytes
+        self.stats = stats
+        self._sink = sink
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._q: queue.Queue[_Job | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="attn-otel-writer", daemon=True)
+        self._thread.start()
+
+    def reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._bytes + nbytes > self.capacity:
+                return False
+            self._bytes += nbytes
+            self._idle.clear()
+            return True
+
+    def put(self, job: _Job) -> None:
+        self._q.put_nowait(job)
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes -= nbytes
+            if self._bytes <= 0 and self._q.empty():
+                self._idle.set()
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._bytes
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                self._sink(job)
+            finally:
+                self.release(job.nbytes)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._idle.wait(timeout)
+
+
+class CaptureEngine:
+    """Owns the tap, turns finished requests into captures, and hands them to the writer."""
+
+    def __init__(self, config: Config, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype,
+                 device, model: str = "", engine_version: str = ""):
+        self.config = config
+        self.layers = list(layers)
+        self.layer_ids = tuple(s.index for s in self.layers)
+        self.tap = QKTap(self.layers, num_slots, dtype, device)
+        self.device = torch.device(device)
+        self.model = model
+        self.engine_version = engine_version
+        self.stats = Stats()
+        self._warned: set[str] = set()
+        self._store = None
+        self.handoff = Handoff(config, self.stats, self._write)
+        atexit.register(self.close)
+
+    # ----------------------------------------------------------------- engine-loop side (no I/O here)
+    def warn_once(self, key: str, msg: str, *args: Any, exc: bool = False) -> None:
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        (logger.exception if exc else logger.warning)("attn-otel: " + msg, *args)
+
+    def on_finished(self, req: FinishedRequest) -> None:
+        """Capture one finished request.  Never raises: a failure is logged once and counted."""
+        try:
+            self._capture(req)
+        except Exception as e:  # noqa: BLE001 - capture must never take the request or engine down
+            self.stats.add("dropped", reason="capture_error")
+            self.warn_once(f"err:{type(e).__name__}", "capture of request %s failed; dropped and counted "
+                           "(logged once per error type)", req.request_id, exc=True)
+
+    def _capture(self, req: FinishedRequest) -> None:
+        t0 = time.perf_counter()
+        opts = self._options(req)
+        if opts.mode == "off":
+            self.stats.add("skipped", reason="request_off")
+            return
+        T = int(req.num_tokens)
+        if T < 1:
+            self.stats.add("skipped", reason="no_tokens")
+            return
+        layers = self.layers if opts.layers is None else [s for s in self.layers if s.index in opts.layers]
+        if opts.layers is not None and len(layers) < len(opts.layers):
+            self.warn_once("layers-not-tapped", "request %s asked for layers %s; only %s are captured "
+                           "(ATTN_OTEL_LAYERS); capturing those", req.request_id, list(opts.layers),
+                           list(self.layer_ids))
+        if not layers:
+            self.stats.add("skipped", reason="no_layers")
+            return
+        trace_id, parent = new_trace_id(), None
+        if opts.traceparent:
+            trace_id, parent = parse_traceparent(opts.traceparent)  # type: ignore[misc]
+        want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))
+        if want_maps and T > self.config.max_map_tokens:
+            self.stats.add("skipped", reason="map_too_long")
+            want_maps = False
+        H = max(s.num_heads for s in layers)
+        L = len(layers)
+        nbytes = len(METRICS) * L * H * T * 4 + (L * H * T * T * 2 if want_maps else 0)
+        if not self.handoff.reserve(nbytes):
+            if want_maps and self.handoff.reserve(nbytes - L * H * T * T * 2):
+                nbytes -= L * H * T * T * 2
+                want_maps = False
+                self.stats.add("skipped", reason="maps_queue_full")
+            else:
+                self.stats.add("dropped", reason="queue_full")
+                self.warn_once("queue_full", "hand-off queue full (%d bytes, ATTN_OTEL_QUEUE_BYTES); dropping "
+                               "captures and counting them", self.config.queue_bytes)
+                return
+        try:
+            job = self._compute(req, layers, T, want_maps, nbytes, trace_id, parent, opts)
+        except BaseException:
+            self.handoff.release(nbytes)
+            raise
+        job.t_finish = t0
+        self.stats.add("captured")
+        self.handoff.put(job)
+
+    def _options(self, req: FinishedRequest) -> RequestOptions:
+        from .config import parse_request_options
+
+        opts = parse_request_options(req.extra_args)
+        for w in opts.warnings:
+            self.warn_once("opt:" + w.split("=")[0], "request %s: %s", req.request_id, w)
+        return opts
+
+    def _slots(self, req: FinishedRequest, group: int, T: int) -> torch.Tensor:
+        bs = int(req.block_sizes[group])
+        blocks = np.asarray(req.block_ids[group], dtype=np.int64)
+        pos = np.arange(T, dtype=np.int64)
+        slots = blocks[pos // bs] * bs + pos % bs
+        t = torch.from_numpy(slots)
+        if self.device.type == "cuda":
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _compute(self, req, layers, T, want_maps, nbytes, trace_id, parent, opts) -> _Job:
+        L, H = len(layers), max(s.num_heads for s in layers)
+        cuda = self.device.type == "cuda"
+        host = dict(pin_memory=True) if cuda else {}
+        per_row_host = torch.empty((len(METRICS), L, H, T), dtype=torch.float32, **host)
+        maps_host = torch.zeros((L, H, T, T), dtype=torch.float16, **host) if want_maps else None
+        vision = None
+        if req.vision_positions is not None and np.any(req.vision_positions[:T]):
+            vision = torch.from_numpy(np.asarray(req.vision_positions[:T], dtype=bool)).to(self.device)
+        N = min(len(req.prompt_token_ids), T)
+        slots_by_group: dict[int, torch.Tensor] = {}
+        for li, spec in enumerate(layers):
+            if spec.group not in slots_by_group:
+                slots_by_group[spec.group] = self._slots(req, spec.group, T)
+            q, k = self.tap.gather(spec.index, slots_by_group[spec.group])
+            maps_dev = None
+            if want_maps:
+                maps_dev = maps_host[li, : spec.num_heads] if not cuda else torch.empty(
+                    (spec.num_heads, T, T), dtype=torch.float16, device=self.device)
+            per_row = attention_metrics(q, k, spec.scale, N, self.config.sink_tokens, vision, maps_out=maps_dev)
+            per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
+            if want_maps and cuda:
+                maps_host[li, : spec.num_heads].copy_(maps_dev, non_blocking=True)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        tokens = None
+        if self.config.store_tokens:
+            ids = list(req.prompt_token_ids) + list(req.output_token_ids)
+            tokens = np.asarray(ids[:T], dtype=np.int32) if len(ids) >= T else None
+        span_id = new_span_id()
+        record = CaptureRecord(
+            trace_id=trace_id, request_id=req.request_id, span_id=span_id, parent_span_id=parent,
+            prompt_len=N, num_tokens=T, layers=tuple(s.index for s in layers), num_heads=H,
+            model=self.model, engine_version=self.engine_version, mode="maps" if want_maps else "metrics",
+            token_ids=tokens, attrs={"vision": vision is not None, "sink_tokens": self.config.sink_tokens},
+        )
+        return _Job(record, per_row_host, maps_host, event, nbytes, 0.0)
+
+    # ----------------------------------------------------------------- writer-thread side
+    def _write(self, job: _Job) -> None:
+        try:
+            if job.event is not None:
+                job.event.synchronize()
+            rec = job.record
+            per_row = job.per_row.numpy()
+            rec.metrics = {name: per_row[i] for i, name in enumerate(METRICS)
+                           if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")}
+            rec.maps = job.maps.numpy() if job.maps is not None else None
+            if self._store is None:
+                self._store = open_zarr_store(self.config.store)
+            n = write_capture(self._store, rec)
+            self.stats.add("stored")
+            if rec.maps is not None:
+                self.stats.add("maps_stored")
+            self.stats.add("bytes_written", n)
+            self.stats.latencies.append(time.perf_counter() - job.t_finish)
+        except Exception as e:  # noqa: BLE001
+            self.stats.add("dropped", reason="store_error")
+            self.warn_once(f"store:{type(e).__name__}", "writing capture of request %s to %s failed: %s "
+                           "(dropped and counted; logged once per error type)", job.record.request_id,
+                           self.config.store, e)
+
+    def flush(self, timeout: float | None = 60.0) -> bool:
+        """Wait until every handed-off capture is written (or dropped).  For tests and shutdown."""
+        return self.handoff.flush(timeout)
+
+    def close(self) -> None:
+        self.flush(30.0)

@@ -1,0 +1,448 @@
+"""The ``attn-otel`` command: list captures, fetch their maps as NumPy arrays, draw one as a heatmap.
+
+Usage::
+
+    attn-otel ls    [--store URL] [--json]
+    attn-otel fetch TRACE_ID [--request ID] [--layers 0,3] [--heads 0,1] [-o OUT.npz] [--store URL]
+    attn-otel show  TRACE_ID --layer L [--head H] [--request ID] [--rows A:B] [--log]
+                    [--tokenizer DIR] [-o MAP.png] [--store URL]
+
+The store is ``--store``, else ``ATTN_OTEL_STORE``, else ``./attn-otel-data``.  Output goes to stdout
+(``ls``) or the ``-o`` file; progress and errors go to stderr.  An error is one line,
+``attn-otel: error: ...``, and exit status 1; a usage error exits 2.
+
+Adding a subcommand: write ``add_NAME(subparsers, common)`` that calls
+``subparsers.add_parser(NAME, parents=[common], ...)`` and ``set_defaults(func=handler)``, where
+``handler(args) -> int`` raises :class:`CliError` (or any exception) for a one-line error, and append it
+to :data:`SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+import zipfile
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from .config import ATTN_OTEL_STORE, parse_layers
+from .reader import Capture, _store_url, list_captures, open_trace
+from .store import StoreError
+
+PROG = "attn-otel"
+MAX_LABELLED_TOKENS = 64
+LOG_VMIN = 1e-4
+
+
+class CliError(Exception):
+    """A failure the user can act on; printed as one line, exit status 1."""
+
+
+# --- argument types (a bad value is a usage error, exit 2) ---------------------------------------------
+
+def _layers_arg(text: str) -> tuple[int, ...] | None:
+    try:
+        layers = parse_layers(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if layers == "auto":
+        raise argparse.ArgumentTypeError("'auto' is a capture setting; use 'all' or a list like 0,3")
+    return None if layers == "all" else layers
+
+
+def _heads_arg(text: str) -> tuple[int, ...]:
+    try:
+        heads = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected heads like 0,1, got {text!r}") from None
+    if not heads or heads[0] < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative heads like 0,1, got {text!r}")
+    return tuple(heads)
+
+
+def _rows_arg(text: str) -> tuple[int | None, int | None]:
+    m = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected query rows as A:B (either may be left out), got {text!r}")
+    return tuple(int(g) if g else None for g in m.groups())  # type: ignore[return-value]
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+# --- helpers shared by the subcommands -----------------------------------------------------------------
+
+def _printable(text: str) -> str:
+    """Request ids can come from clients: keep control characters out of terminals and one-line errors."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+def _iso(created: object) -> str:
+    try:
+        return datetime.datetime.fromtimestamp(float(created), datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "?"
+
+
+def _compact(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 3, 8, 16]`` -> ``"0-3,8,16"``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _request_list(caps: Sequence[Capture]) -> str:
+    ids = [_printable(c.request_id) for c in caps]
+    shown = ", ".join(ids[:10])
+    return shown + (f", ... ({len(ids) - 10} more)" if len(ids) > 10 else "")
+
+
+def _pick_capture(trace_id: str, store: str | None, request: str | None) -> Capture:
+    """The capture of ``trace_id`` to fetch or show: the only one, or the one ``--request`` names."""
+    caps = open_trace(trace_id, store)
+    if request is not None:
+        for cap in caps:
+            if cap.request_id == request:
+                return cap
+        raise CliError(f"trace {caps[0].trace_id} has no request {_printable(request)!r}; "
+                       f"its requests: {_request_list(caps)}")
+    if len(caps) > 1:
+        raise CliError(f"trace {caps[0].trace_id} has {len(caps)} captures; choose one with --request: "
+                       f"{_request_list(caps)}")
+    return caps[0]
+
+
+def _require_maps(cap: Capture) -> None:
+    if not cap.has_maps:
+        raise CliError(f"request {_printable(cap.request_id)!r} of trace {cap.trace_id} has metrics only, no "
+                       "maps (maps are stored for requests sent with attn_otel=maps or sampled by "
+                       "ATTN_OTEL_MAPS_SAMPLE)")
+
+
+def _check_heads(cap: Capture, heads: Iterable[int]) -> None:
+    for h in heads:
+        if not 0 <= h < cap.num_heads:
+            raise CliError(f"head {h} does not exist (the capture has {cap.num_heads} heads: 0-{cap.num_heads - 1})")
+
+
+def _read(cap: Capture, what: str, read: Callable[[], np.ndarray]) -> np.ndarray:
+    """Run a chunk read; zarr's own errors ("Zstd decompression error") do not say which object failed."""
+    try:
+        return read()
+    except Exception as e:  # noqa: BLE001 - any failure past validation is a damaged store object
+        raise StoreError(f"{cap.prefix}: cannot read {what} ({type(e).__name__}: {e})") from None
+
+
+def _info(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr)
+
+
+# --- ls ------------------------------------------------------------------------------------------------
+
+def _ls_row(cap: Capture) -> dict[str, object]:
+    return {
+        "trace_id": cap.trace_id,
+        "request_id": cap.request_id,
+        "created": _iso(cap.meta.get("created")),
+        "num_tokens": cap.num_tokens,
+        "prompt_len": cap.prompt_len,
+        "layers": cap.layers,
+        "num_heads": cap.num_heads,
+        "maps": cap.has_maps,
+        "token_ids": bool(cap.meta.get("token_ids")),
+        "model": cap.meta.get("model", ""),
+        "mode": cap.meta.get("mode", ""),
+    }
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    caps = sorted(list_captures(args.store), key=lambda c: (float(c.meta.get("created") or 0), c.trace_id))
+    if args.json:
+        # A JSON array with one capture per line: valid for jq, and still greppable.
+        rows = [json.dumps(_ls_row(c)) for c in caps]
+        sys.stdout.write("[\n" + ",\n".join(rows) + "\n]\n" if rows else "[]\n")
+        return 0
+    if not caps:
+        _info(f"no captures in {_store_url(args.store)}")
+        return 0
+    header = ("TRACE ID", "REQUEST", "CREATED (UTC)", "TOKENS", "PROMPT", "LAYERS", "HEADS", "MAPS")
+    table = [header] + [
+        (c.trace_id, _printable(c.request_id), _iso(c.meta.get("created")), str(c.num_tokens), str(c.prompt_len),
+         _compact(c.layers), str(c.num_heads), "yes" if c.has_maps else "no")
+        for c in caps
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    numeric = {3, 4, 6}
+    for line in table:
+        cells = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        print("  ".join(cells).rstrip())
+    return 0
+
+
+def add_ls(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser("ls", parents=[common], help="list the complete captures in the store",
+                              description="One line per complete capture, oldest first.")
+    p.add_argument("--json", action="store_true", help="print a JSON array instead of a table")
+    p.set_defaults(func=cmd_ls)
+
+
+# --- fetch ---------------------------------------------------------------------------------------------
+
+def _save_npz(path: Path, attn_shape: tuple[int, ...], attn_parts: Iterable[np.ndarray],
+              arrays: dict[str, np.ndarray]) -> None:
+    """``np.savez_compressed``, except that ``attn`` is written part by part (a fetch of a long request
+    holds one T x T map in memory, not all of them), and that the file appears only once complete."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True) as zf:
+            with zf.open("attn.npy", "w", force_zip64=True) as f:
+                header = {"descr": np.lib.format.dtype_to_descr(np.dtype("<f4")), "fortran_order": False,
+                          "shape": attn_shape}
+                np.lib.format.write_array_header_1_0(f, header)
+                for part in attn_parts:
+                    f.write(np.ascontiguousarray(part, dtype="<f4").tobytes())
+            for name, value in arrays.items():
+                with zf.open(f"{name}.npy", "w") as f:
+                    np.lib.format.write_array(f, np.asarray(value), allow_pickle=False)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    cap = _pick_capture(args.trace_id, args.store, args.request)
+    _require_maps(cap)
+    layers = list(cap.layers) if args.layers is None else list(args.layers)
+    for layer in layers:
+        cap.layer_index(layer)  # raises for a layer that was not captured
+    heads = list(range(cap.num_heads)) if args.heads is None else list(args.heads)
+    _check_heads(cap, heads)
+
+    out = Path(args.output or f"{cap.trace_id}.npz")
+    T = cap.num_tokens
+    arrays = {"layers": np.asarray(layers, dtype=np.int64), "heads": np.asarray(heads, dtype=np.int64),
+              "prompt_len": np.asarray(cap.prompt_len, dtype=np.int64)}
+    token_ids = _read(cap, "token_ids", lambda: cap.token_ids)
+    if token_ids is not None:
+        arrays["token_ids"] = token_ids.astype(np.int64)
+    parts = (_read(cap, f"layer {layer} head {h}", lambda layer=layer, h=h: cap.maps([layer], [h]))
+             for layer in layers for h in heads)
+    _save_npz(out, (len(layers), len(heads), T, T), parts, arrays)
+    _info(f"wrote {out}: attn [{len(layers)}, {len(heads)}, {T}, {T}] float32, layers {_compact(layers)}, "
+          f"request {_printable(cap.request_id)!r}")
+    return 0
+
+
+def add_fetch(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "fetch", parents=[common], help="write a capture's maps to a .npz file",
+        description="Write attn float32 [n_layers, n_heads, T, T] (row i = query token i, column j = key token "
+                    "j), layers, heads, prompt_len and, where stored, token_ids to a NumPy .npz file.")
+    p.add_argument("trace_id", metavar="TRACE_ID", help="32 hex digits")
+    p.add_argument("--request", metavar="ID", help="the request to fetch when the trace has several captures")
+    p.add_argument("--layers", type=_layers_arg, metavar="LIST", help="model layers, e.g. 0,3 (default: all captured)")
+    p.add_argument("--heads", type=_heads_arg, metavar="LIST", help="query heads, e.g. 0,1 (default: all)")
+    p.add_argument("-o", "--output", metavar="PATH", help="output file (default: TRACE_ID.npz)")
+    p.set_defaults(func=cmd_fetch)
+
+
+# --- show ----------------------------------------------------------------------------------------------
+
+def _label_text(text: str) -> str:
+    text = text.replace("\n", "\\n").replace("\t", "\\t").replace("$", r"\$")  # '$' would start mathtext
+    text = _printable(text)
+    return text if len(text) <= 12 else text[:11] + "…"
+
+
+def _token_labels(token_ids: np.ndarray, tokenizer: str | None) -> list[str]:
+    if tokenizer is not None:
+        try:
+            from transformers import AutoTokenizer
+        except Exception as e:  # noqa: BLE001 - a broken transformers install must not stop the plot
+            _info(f"cannot import transformers ({type(e).__name__}); labelling tokens by id")
+        else:
+            try:
+                tok = AutoTokenizer.from_pretrained(tokenizer)
+            except Exception as e:  # noqa: BLE001
+                raise CliError(f"cannot load a tokenizer from {tokenizer}: {e}") from None
+            return [_label_text(tok.decode([int(t)])) for t in token_ids]
+    return [str(int(t)) for t in token_ids]
+
+
+def _head_mean(attn, li: int, start: int, stop: int) -> np.ndarray:
+    """Mean over heads, one head at a time: a long request's heads together would not fit in memory."""
+    total = np.zeros((stop - start, stop), dtype=np.float32)
+    for h in range(attn.shape[1]):
+        total += attn[li, h, start:stop, :stop]
+    return total / attn.shape[1]
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    cap = _pick_capture(args.trace_id, args.store, args.request)
+    _require_maps(cap)
+    li = cap.layer_index(args.layer)
+    if args.head is not None:
+        _check_heads(cap, [args.head])
+    T = cap.num_tokens
+    first, last = args.rows or (None, None)
+    start, stop = first or 0, T if last is None else min(last, T)
+    if start >= stop:
+        shown = f"{'' if first is None else first}:{'' if last is None else last}"
+        raise CliError(f"--rows {shown} selects no query rows (the capture has {T} tokens)")
+
+    # Causal: rows start..stop-1 see keys 0..stop-1 at most, so the columns past stop are all zero.
+    if args.head is not None:
+        data = _read(cap, f"layer {args.layer} head {args.head}",
+                     lambda: np.asarray(cap.attn[li, args.head, start:stop, :stop], dtype=np.float32))
+        what = f"head {args.head}"
+    else:
+        data = _read(cap, f"layer {args.layer}", lambda: _head_mean(cap.attn, li, start, stop))
+        what = f"mean over {cap.num_heads} heads"
+    query = np.arange(start, stop)[:, None]
+    key = np.arange(stop)[None, :]
+    future = key > query
+    if args.log:
+        data = np.maximum(data, LOG_VMIN)  # a visible key with ~0 weight is "very little", not blank
+    data = np.ma.masked_where(future, data)
+
+    labels = None
+    token_ids = _read(cap, "token_ids", lambda: cap.token_ids)
+    if token_ids is not None and stop <= MAX_LABELLED_TOKENS:
+        labels = _token_labels(token_ids[:stop], args.tokenizer)
+    elif args.tokenizer is not None:
+        why = "no token ids stored" if token_ids is None else f"{stop} > {MAX_LABELLED_TOKENS} tokens"
+        _info(f"not labelling tokens: {why}")
+
+    title = (f"trace {cap.trace_id}\nrequest {_printable(cap.request_id)}  ·  layer {args.layer}  ·  {what}"
+             + (f"  ·  query rows {start}:{stop}" if (start, stop) != (0, T) else ""))
+    head_suffix = f"-head{args.head}" if args.head is not None else ""
+    out = Path(args.output or f"{cap.trace_id}-layer{args.layer}{head_suffix}.png")
+    _plot(out, data, start, stop, cap.prompt_len, labels, title, args.log)
+    _info(f"wrote {out}")
+    return 0
+
+
+def _plot(out: Path, data: np.ma.MaskedArray, start: int, stop: int, prompt_len: int, labels: list[str] | None,
+          title: str, log: bool) -> None:
+    import warnings
+
+    import matplotlib
+    from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+    from matplotlib.ticker import MaxNLocator
+
+    rows, cols = data.shape
+    vmax = max(float(data.max()) if data.count() else 1.0, LOG_VMIN * 10)
+    norm = LogNorm(vmin=LOG_VMIN, vmax=vmax, clip=True) if log else Normalize(vmin=0.0, vmax=vmax)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
+
+    fig = Figure(figsize=(9.5, 8.5), dpi=150, layout="constrained")
+    ax = fig.add_subplot()
+    im = ax.imshow(data, cmap=cmap, norm=norm, extent=(-0.5, cols - 0.5, stop - 0.5, start - 0.5),
+                   aspect="equal" if rows * 4 >= cols else "auto",  # a thin band of rows stays readable
+                   interpolation="nearest" if cols <= 512 else "antialiased")
+    fig.colorbar(im, ax=ax, shrink=0.85, label="attention weight" + (" (log scale)" if log else ""))
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("key token")
+    ax.set_ylabel("query token")
+
+    if 0 < prompt_len < stop:
+        boundary = prompt_len - 0.5
+        ax.axvline(boundary, color="red", linewidth=1, linestyle="--",
+                   label=f"prompt | generated (prompt_len {prompt_len})")
+        if start < prompt_len:
+            ax.axhline(boundary, color="red", linewidth=1, linestyle="--")
+        fig.legend(loc="outside lower right", fontsize=8)  # outside: a band of rows has no blank corner
+
+    if labels is not None:
+        size = 8 if cols <= 32 else 6
+        ax.set_xticks(range(cols), [f"{j}: {labels[j]}" for j in range(cols)], rotation=90, fontsize=size)
+        ax.set_yticks(range(start, stop), [f"{i}: {labels[i]}" for i in range(start, stop)], fontsize=size)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # glyphs missing from the font for some decoded tokens
+        fig.savefig(out, format="png")
+
+
+def add_show(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "show", parents=[common], help="draw one layer's map as a heatmap PNG",
+        description="Draw the attention map of one captured layer (one head, or the mean over heads) as a "
+                    "PNG heatmap: query tokens down, key tokens across, the prompt/generated boundary dashed.")
+    p.add_argument("trace_id", metavar="TRACE_ID", help="32 hex digits")
+    p.add_argument("--layer", type=_non_negative, required=True, metavar="L", help="model layer (must be captured)")
+    p.add_argument("--head", type=_non_negative, metavar="H", help="query head (default: mean over heads)")
+    p.add_argument("--request", metavar="ID", help="the request to draw when the trace has several captures")
+    p.add_argument("--rows", type=_rows_arg, metavar="A:B", help="only query rows A..B-1")
+    p.add_argument("--log", action="store_true", help=f"log colour scale (from {LOG_VMIN:g})")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help=f"HF tokenizer folder: label axes with decoded tokens (up to {MAX_LABELLED_TOKENS} tokens)")
+    p.add_argument("-o", "--output", metavar="PATH", help="output file (default: TRACE_ID-layerL[-headH].png)")
+    p.set_defaults(func=cmd_show)
+
+
+# --- entry point ---------------------------------------------------------------------------------------
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None]] = [
+    add_ls, add_fetch, add_show,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", metavar="URL", help="path, file://PATH or s3://bucket/prefix "
+                        f"(default: ${ATTN_OTEL_STORE}, else ./attn-otel-data)")
+    parser = argparse.ArgumentParser(prog=PROG, description="Fetch and inspect attention captured by attn-otel.")
+    subparsers = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subparsers, common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (2) and --help (0); returned so that callers in-process see them
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `attn-otel ls | head`: the reader went away, which is not an error
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit flush
+        except (OSError, ValueError):
+            pass
+        return 0
+    except Exception as e:  # noqa: BLE001 - the contract is one line, never a traceback
+        known = isinstance(e, (CliError, StoreError, LookupError, ValueError, OSError))
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        if not known:
+            message = f"{type(e).__name__}: {message}"
+        print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Every ``ATTN_OTEL_*`` variable, defined and documented once, parsed into a frozen :class:`Config`.
+
+Explicit arguments to :meth:`Config.from_env` override the environment.  A bad value never raises out of
+the serving path: :meth:`Config.from_env` logs one warning and falls back to the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Mapping, Sequence
+
+logger = logging.getLogger("attn_otel")
+
+ATTN_OTEL = "ATTN_OTEL"
+"""``1`` turns capture on.  Unset or ``0``: the plugin returns at once, nothing is patched or allocated."""
+
+ATTN_OTEL_STORE = "ATTN_OTEL_STORE"
+"""Where captures go: a path, ``file://PATH`` or ``s3://bucket/prefix``.  Default ``./attn-otel-data``."""
+
+ATTN_OTEL_LAYERS = "ATTN_OTEL_LAYERS"
+"""Layers whose queries are kept on the device: ``all``, ``auto`` or a list such as ``0,8,16``.
+
+``auto`` (the default) keeps at most :data:`AUTO_LAYERS` layers, evenly spaced from the first to the last.
+Each captured layer costs ``(num_q_heads + num_kv_heads) * head_dim * dtype_bytes`` per KV-cache token,
+taken from the KV cache budget (the KV cache shrinks so that the total stays what vLLM was given)."""
+
+ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
+"""Fraction in [0, 1] of traces whose full maps are stored (decided per trace id, so every request of a
+trace agrees).  Metrics are computed for every captured request.  Default 0.01."""
+
+ATTN_OTEL_MAX_MAP_TOKENS = "ATTN_OTEL_MAX_MAP_TOKENS"
+"""Requests longer than this many tokens get metrics but no maps (a counted ``map_too_long`` skip): a map
+is ``layers * heads * T * T * 2`` bytes.  Default 8192."""
+
+ATTN_OTEL_QUEUE_BYTES = "ATTN_OTEL_QUEUE_BYTES"
+"""Bound, in bytes, on captures waiting for the writer.  A capture that would exceed it is dropped and
+counted (``queue_full``): the engine never waits for storage.  Default 1 GiB."""
+
+ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
+"""``1`` (default) stores the request's token ids with its capture (``attn-otel show`` labels axes with
+them); ``0`` stores none.  Token ids never leave the store."""
+
+ATTN_OTEL_SINK_TOKENS = "ATTN_OTEL_SINK_TOKENS"
+"""k for the sink-mass metric: attention on the first k tokens (StreamingLLM).  Default 4."""
+
+AUTO_LAYERS = 4
+MODES = ("off", "metrics", "maps")
+
+
+def _warn(name: str, value: object, why: str, default: object) -> None:
+    logger.warning("attn-otel: ignoring %s=%r (%s); using %r", name, value, why, default)
+
+
+def parse_layers(value: object, num_layers: int | None = None) -> str | tuple[int, ...]:
+    """Parse a layer selection: ``"all"``, ``"auto"``, ``"0,8,16"`` or a list of ints.
+
+    Returns ``"all"``/``"auto"`` or a sorted tuple of distinct non-negative ints.  Raises ``ValueError``
+    with a message a user can act on.  With ``num_layers``, indices must be below it.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("all", "auto"):
+            return text
+        if len(text) > 10_000:
+            raise ValueError("layer list is too long")
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+    elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        if len(value) > 10_000:
+            raise ValueError("layer list is too long")
+        parts = list(value)
+    else:
+        raise ValueError(f"expected 'all', 'auto' or a list like '0,8,16', got {type(value).__name__}")
+    layers = []
+    for p in parts:
+        if isinstance(p, bool):
+            raise ValueError(f"layer {p!r} is not an integer")
+        try:
+            i = int(p)
+        except (TypeError, ValueError):
+            raise ValueError(f"layer {p!r} is not an integer") from None
+        if isinstance(p, float) and p != i:
+            raise ValueError(f"layer {p!r} is not an integer")
+        if i < 0:
+            raise ValueError(f"layer {i} is negative")
+        if num_layers is not None and i >= num_layers:
+            raise ValueError(f"layer {i} does not exist (the model has {num_layers})")
+        layers.append(i)
+    if not layers:
+        raise ValueError("empty layer list")
+    return tuple(sorted(set(layers)))
+
+
+def resolve_layers(selection: str | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Turn a parsed selection into concrete layer indices for a model with ``num_layers`` layers."""
+    if selection == "all":
+        return tuple(range(num_layers))
+    if selection == "auto":
+        n = min(AUTO_LAYERS, num_layers)
+        if n == 1:
+            return (0,)
+        return tuple(sorted({round(i * (num_layers - 1) / (n - 1)) for i in range(n)}))
+    return tuple(i for i in selection if i < num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    enabled: bool = False
+    store: str = "./attn-otel-data"
+    layers: str | tuple[int, ...] = "auto"
+    maps_sample: float = 0.01
+    max_map_tokens: int = 8192
+    queue_bytes: int = 1 << 30
+    store_tokens: bool = True
+    sink_tokens: int = 4
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "Config":
+        env = os.environ if env is None else env
+        d = cls()
+        values: dict[str, object] = {}
+        values["enabled"] = env.get(ATTN_OTEL, "0").strip().lower() in ("1", "true", "yes", "on")
+        values["store"] = env.get(ATTN_OTEL_STORE, "").strip() or d.store
+        raw = env.get(ATTN_OTEL_LAYERS)
+        if raw is not None:
+            try:
+                values["layers"] = parse_layers(raw)
+            except ValueError as e:
+                _warn(ATTN_OTEL_LAYERS, raw, str(e), d.layers)
+        values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
+        values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)
+        values["queue_bytes"] = _number(env, ATTN_OTEL_QUEUE_BYTES, d.queue_bytes, int, 1, None)
+        values["sink_tokens"] = _number(env, ATTN_OTEL_SINK_TOKENS, d.sink_tokens, int, 1, None)
+        raw = env.get(ATTN_OTEL_STORE_TOKENS)
+        if raw is not None:
+            if raw.strip().lower() in ("1", "true", "yes", "on"):
+                values["store_tokens"] = True
+            elif raw.strip().lower() in ("0", "false", "no", "off"):
+                values["store_tokens"] = False
+            else:
+                _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1", d.store_tokens)
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _number(env: Mapping[str, str], name: str, default, kind, lo, hi):
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        v = kind(raw)
+    except ValueError:
+        _warn(name, raw, f"not a{'n integer' if kind is int else ' number'}", default)
+        return default
+    if v != v or (lo is not None and v < lo) or (hi is not None and v > hi):
+        _warn(name, raw, f"outside [{lo}, {hi if hi is not None else 'inf'}]", default)
+        return default
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """What one request asked for through ``SamplingParams.extra_args`` / ``vllm_xargs``."""
+
+    mode: str | None = None  # None: the server default (metrics, maps for a sampled fraction)
+    layers: tuple[int, ...] | None = None
+    traceparent: str | None = None
+    warnings: tuple[str, ...] = ()
+
+
+def parse_request_options(extra_args: Mapping[str, object] | None) -> RequestOptions:
+    """Read ``attn_otel``, ``attn_otel_layers`` and ``traceparent`` from a request's extra args.
+
+    Never raises: each bad value becomes a warning (returned, for the caller to log) and is ignored.
+    """
+    if not extra_args or not isinstance(extra_args, Mapping):
+        return RequestOptions()
+    warnings: list[str] = []
+    mode = extra_args.get("attn_otel")
+    if mode is not None:
+        if not isinstance(mode, str) or mode.strip().lower() not in MODES:
+            warnings.append(f"attn_otel={_short(mode)} is not one of {'|'.join(MODES)}; using the default")
+            mode = None
+        else:
+            mode = mode.strip().lower()
+    layers = None
+    raw = extra_args.get("attn_otel_layers")
+    if raw is not None:
+        try:
+            parsed = parse_layers(raw)
+            layers = None if parsed in ("all", "auto") else parsed
+        except ValueError as e:
+            warnings.append(f"attn_otel_layers={_short(raw)}: {e}; capturing the default layers")
+    tp = extra_args.get("traceparent")
+    traceparent = None
+    if tp is not None:
+        from .ids import parse_traceparent
+
+        if isinstance(tp, str) and parse_traceparent(tp) is not None:
+            traceparent = tp.strip()
+        else:
+            warnings.append(f"traceparent={_short(tp)} is not a W3C traceparent; a new trace id is made")
+    return RequestOptions(mode=mode, layers=layers, traceparent=traceparent, warnings=tuple(warnings))
+
+
+def _short(v: object) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."

@@ -1,0 +1,126 @@
+"""Reading captures back by trace id: lazy, Zarr-backed; slicing reads only the chunks it needs."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .config import ATTN_OTEL_STORE, Config
+from .ids import check_trace_id
+from .store import StoreError, list_request_keys, list_trace_ids, open_zarr_store, read_summary
+
+
+class TraceNotFound(LookupError):
+    pass
+
+
+def _store_url(store: str | os.PathLike | None) -> str:
+    return os.fspath(store) if store is not None else (os.environ.get(ATTN_OTEL_STORE) or Config().store)
+
+
+class Capture:
+    """One request's capture.  ``attn`` is a lazy zarr array ``[layers, heads, T, T]`` (or None when only
+    metrics were stored); index it like NumPy and only the touched chunks are read."""
+
+    def __init__(self, store, prefix: str, meta: dict[str, Any]):
+        self._store = store
+        self.prefix = prefix
+        self.meta = meta
+        self.trace_id: str = meta["trace_id"]
+        self.request_id: str = meta["request_id"]
+        self.prompt_len: int = int(meta["prompt_len"])
+        self.num_tokens: int = int(meta["num_tokens"])
+        self.layers: list[int] = [int(x) for x in meta["layers"]]
+        self.num_heads: int = int(meta["num_heads"])
+        self.has_maps: bool = bool(meta.get("maps"))
+        self._group = None
+
+    def __repr__(self) -> str:
+        return (f"Capture(trace_id={self.trace_id!r}, request_id={self.request_id!r}, T={self.num_tokens}, "
+                f"prompt_len={self.prompt_len}, layers={self.layers}, maps={self.has_maps})")
+
+    @property
+    def group(self):
+        if self._group is None:
+            import zarr
+
+            try:
+                self._group = zarr.open_group(store=self._store, path=self.prefix, mode="r")
+            except Exception as e:  # noqa: BLE001 - any failure here means a foreign or corrupt object
+                raise StoreError(f"{self.prefix} is not a readable attn-otel capture: {e}") from None
+        return self._group
+
+    @property
+    def attn(self):
+        if not self.has_maps:
+            return None
+        return self.group["attn"]
+
+    @property
+    def token_ids(self) -> np.ndarray | None:
+        if not self.meta.get("token_ids"):
+            return None
+        return np.asarray(self.group["token_ids"][...])
+
+    @property
+    def metrics(self) -> dict[str, np.ndarray]:
+        if not self.meta.get("metrics"):
+            return {}
+        g = self.group["metrics"]
+        return {name: np.asarray(g[name][...]) for name in self.meta["metrics"]}
+
+    def layer_index(self, layer: int) -> int:
+        try:
+            return self.layers.index(int(layer))
+        except ValueError:
+            raise KeyError(f"layer {layer} was not captured (captured: {self.layers})") from None
+
+    def maps(self, layers: Sequence[int] | None = None, heads: Sequence[int] | None = None) -> np.ndarray:
+        """float32 ``[n_layers, n_heads, T, T]`` for the given model layers and heads (default: all)."""
+        if not self.has_maps:
+            raise LookupError(f"request {self.request_id} of trace {self.trace_id} has metrics only, no maps")
+        li = [self.layer_index(x) for x in layers] if layers is not None else list(range(len(self.layers)))
+        hi = list(heads) if heads is not None else list(range(self.num_heads))
+        for h in hi:
+            if not 0 <= int(h) < self.num_heads:
+                raise KeyError(f"head {h} does not exist (the capture has {self.num_heads})")
+        arr = self.attn
+        out = np.empty((len(li), len(hi), self.num_tokens, self.num_tokens), dtype=np.float32)
+        for a, l in enumerate(li):
+            for b, h in enumerate(hi):
+                out[a, b] = arr[l, int(h)]
+        return out
+
+
+def list_captures(store: str | os.PathLike | None = None) -> Iterator[Capture]:
+    """Every complete capture in the store, trace by trace."""
+    zstore = open_zarr_store(_store_url(store), read_only=True)
+    for trace_id in list_trace_ids(zstore):
+        yield from _captures(zstore, trace_id)
+
+
+def _captures(zstore, trace_id: str) -> list[Capture]:
+    out = []
+    for key in list_request_keys(zstore, trace_id):
+        meta = read_summary(zstore, trace_id, key)
+        if meta is not None:
+            out.append(Capture(zstore, f"traces/{trace_id}/{key}", meta))
+    out.sort(key=lambda c: c.meta.get("created", 0))
+    return out
+
+
+def open_trace(trace_id: str, store: str | os.PathLike | None = None) -> list[Capture]:
+    """The complete captures of one trace (one per captured request), oldest first.
+
+    Raises ``ValueError`` for a malformed trace id (before the store is touched) and
+    :class:`TraceNotFound` when the store has no complete capture for it.
+    """
+    trace_id = check_trace_id(trace_id)
+    url = _store_url(store)
+    zstore = open_zarr_store(url, read_only=True)
+    caps = _captures(zstore, trace_id)
+    if not caps:
+        raise TraceNotFound(f"no capture of trace {trace_id} in {url}")
+    return caps

@@ -1,0 +1,309 @@
+"""The only module that touches vLLM internals (vLLM 0.26 CUDA and 0.32 CPU build share it).
+
+Entry point ``vllm.general_plugins: attn_otel = attn_otel.vllm_adapter:register``.  vLLM calls it in
+every process, sometimes more than once; with ``ATTN_OTEL`` unset or ``0`` it returns before importing
+anything, so nothing is patched or allocated.  With ``ATTN_OTEL=1`` it wraps, at the class level, four
+methods (no vLLM source is modified):
+
+- ``Worker.determine_available_memory`` (GPU and CPU workers): the KV-cache budget is shared with the
+  Q/K tap, so vLLM's total memory stays what the operator gave it;
+- ``GPUModelRunner.initialize_kv_cache`` (the CPU runner inherits it): sizes the tap to the KV cache's
+  slots and wraps each captured layer's ``impl.forward`` to scatter its queries and keys by the layer's
+  ``slot_mapping`` (inside the opaque attention op: eager, piecewise or full CUDA graph alike);
+- ``GPUModelRunner._update_states``: requests in ``finished_req_ids`` are captured *before* the original
+  runs, i.e. before this step can zero or overwrite their freed blocks; afterwards it records how many
+  tokens each scheduled request has been through the model.
+
+Layers whose attention attn-otel cannot reproduce exactly (MLA, sliding window, soft-capping, ALiBi,
+attention sinks, encoder or cross attention, KV sharing) are refused by name with one log line; the rest
+of the model is still captured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("attn_otel")
+
+_PATCHED = False
+_ENGINES: list = []  # CaptureEngines of this process, for tests and exporters
+
+
+def register() -> None:
+    """vLLM general-plugin entry point.  Idempotent; does nothing unless ``ATTN_OTEL=1``."""
+    global _PATCHED
+    if os.environ.get("ATTN_OTEL", "0").strip().lower() not in ("1", "true", "yes", "on"):
+        return
+    if _PATCHED:
+        return
+    try:
+        _patch()
+        _PATCHED = True
+    except Exception:  # noqa: BLE001 - a vLLM we cannot patch must still serve
+        logger.exception("attn-otel: could not hook into this vLLM version; capture is off")
+
+
+def engines() -> list:
+    return list(_ENGINES)
+
+
+def _patch() -> None:
+    from vllm.v1.worker import gpu_model_runner
+
+    runner = gpu_model_runner.GPUModelRunner
+    _wrap(runner, "initialize_kv_cache", _after_initialize_kv_cache)
+    _wrap(runner, "_update_states", _around_update_states)
+    worker_classes = []
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+
+        worker_classes.append(Worker)
+    except Exception:  # noqa: BLE001 - no CUDA worker in this build
+        pass
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        worker_classes.append(CPUWorker)
+    except Exception:  # noqa: BLE001
+        pass
+    for cls in worker_classes:
+        if "determine_available_memory" in vars(cls):
+            _wrap(cls, "determine_available_memory", _scale_available_memory)
+    logger.info("attn-otel: capture on (vLLM hooks installed)")
+
+
+def _wrap(cls, name: str, wrapper) -> None:
+    orig = vars(cls)[name]
+    if getattr(orig, "_attn_otel", False):
+        return
+
+    def patched(self, *args, **kwargs):
+        return wrapper(orig, self, *args, **kwargs)
+
+    patched._attn_otel = True  # type: ignore[attr-defined]
+    patched.__wrapped__ = orig  # type: ignore[attr-defined]
+    patched.__name__ = orig.__name__
+    setattr(cls, name, patched)
+
+
+# --------------------------------------------------------------------------------- model inspection
+def _attention_layers(static_forward_context) -> dict[str, object]:
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    return {name: m for name, m in static_forward_context.items() if isinstance(m, Attention)}
+
+
+def _refusal(layer) -> str | None:
+    impl = layer.impl
+    attn_type = str(getattr(impl, "attn_type", "decoder")).lower()
+    if "decoder" not in attn_type or "encoder" in attn_type:
+        return f"attention type {attn_type}"
+    sw = getattr(impl, "sliding_window", None)
+    if sw not in (None, -1, (-1, -1), [-1, -1]):
+        return "sliding window"
+    if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
+        return "logits soft-capping"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    if getattr(layer, "kv_sharing_target_layer_name", None):
+        return "KV sharing"
+    return None
+
+
+def _layer_specs(runner, config, groups_by_layer=None, log=False):
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from .capture import LayerSpec
+    from .config import resolve_layers
+
+    ctx = runner.compilation_config.static_forward_context
+    attn = _attention_layers(ctx)
+    all_names = {n for n, m in ctx.items() if hasattr(m, "impl") or "attn" in n}
+    by_index: dict[int, tuple[str, object]] = {}
+    refused: list[str] = []
+    for name, layer in attn.items():
+        why = _refusal(layer)
+        if why:
+            refused.append(f"{name} ({why})")
+            continue
+        by_index[extract_layer_index(name)] = (name, layer)
+    for name in sorted(all_names - set(attn)):
+        refused.append(f"{name} (not standard softmax attention, e.g. MLA or linear)")
+    num_layers = max(by_index) + 1 if by_index else 0
+    wanted = resolve_layers(config.layers, num_layers)
+    specs = []
+    for i in wanted:
+        if i not in by_index:
+            continue
+        name, layer = by_index[i]
+        impl = layer.impl
+        specs.append(LayerSpec(index=i, name=name, num_heads=int(impl.num_heads), num_kv_heads=int(impl.num_kv_heads),
+                               head_dim=int(impl.head_size), scale=float(impl.scale),
+                               group=(groups_by_layer or {}).get(name, 0)))
+    if log:
+        if refused:
+            logger.warning("attn-otel: not capturing %d layer(s) it cannot reproduce exactly: %s",
+                           len(refused), ", ".join(refused[:8]) + (" ..." if len(refused) > 8 else ""))
+        logger.info("attn-otel: capturing layers %s of %d", [s.index for s in specs], num_layers)
+    return specs, {s.name: attn[s.name] for s in specs}
+
+
+def _model_dtype(runner):
+    return runner.model_config.dtype
+
+
+# --------------------------------------------------------------------------------- hooks
+def _scale_available_memory(orig, worker, *args, **kwargs):
+    """Give the tap its share of the KV budget: KV tokens shrink by kv/(kv + tap) per token."""
+    available = orig(worker, *args, **kwargs)
+    try:
+        from .capture import QKTap
+        from .config import Config
+
+        runner = worker.model_runner
+        specs, _ = _layer_specs(runner, Config.from_env())
+        if not specs:
+            return available
+        kv_per_token = 0
+        for spec in runner.get_kv_cache_spec().values():
+            kv_per_token += spec.page_size_bytes / spec.block_size
+        tap = QKTap.bytes_per_token(specs, _model_dtype(runner))
+        scaled = int(available * kv_per_token / (kv_per_token + tap))
+        logger.info("attn-otel: Q/K tap takes %d B per token beside %d B of KV cache; KV budget %.2f -> %.2f GiB",
+                    tap, int(kv_per_token), available / 2**30, scaled / 2**30)
+        return scaled
+    except Exception:  # noqa: BLE001
+        logger.exception("attn-otel: could not size the tap; leaving the KV budget unchanged")
+        return available
+
+
+def _after_initialize_kv_cache(orig, runner, kv_cache_config, *args, **kwargs):
+    result = orig(runner, kv_cache_config, *args, **kwargs)
+    if kwargs.get("is_profiling") or (args and args[0] is True):
+        return result
+    try:
+        _install(runner, kv_cache_config)
+    except Exception:  # noqa: BLE001
+        logger.exception("attn-otel: could not set up capture on this worker; serving without it")
+    return result
+
+
+def _install(runner, kv_cache_config) -> None:
+    import vllm
+
+    from .capture import CaptureEngine
+    from .config import Config
+
+    config = Config.from_env()
+    groups_by_layer = {}
+    block_sizes = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        block_sizes.append(int(group.kv_cache_spec.block_size))
+        for name in group.layer_names:
+            groups_by_layer[name] = g
+    specs, layers = _layer_specs(runner, config, groups_by_layer, log=True)
+    if not specs:
+        logger.warning("attn-otel: no layer of this model can be captured; capture is off")
+        return
+    num_slots = kv_cache_config.num_blocks * max(block_sizes[s.group] for s in specs)
+    model = getattr(runner.model_config, "served_model_name", None) or runner.model_config.model
+    if isinstance(model, (list, tuple)):
+        model = model[0]
+    engine = CaptureEngine(config, specs, num_slots, _model_dtype(runner), runner.device,
+                           model=str(model), engine_version=f"vllm {vllm.__version__}")
+    engine.block_sizes = block_sizes
+    engine.tokens_written = {}
+    runner._attn_otel = engine
+    for spec in specs:
+        _tap_layer(engine, spec, layers[spec.name])
+    _ENGINES.append(engine)
+    logger.info("attn-otel: tap of %.1f MiB for %d slots; store %s", engine.tap.nbytes() / 2**20, num_slots,
+                config.store)
+
+
+def _tap_layer(engine, spec, layer) -> None:
+    from vllm.forward_context import get_forward_context
+
+    impl = layer.impl
+    orig = impl.forward
+    if getattr(orig, "_attn_otel", False):
+        return
+    tap, index, name = engine.tap, spec.index, spec.name
+    q_scale = getattr(layer, "_q_scale", None)
+
+    def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        if attn_metadata is not None and key is not None:
+            try:
+                slots = get_forward_context().slot_mapping
+                if isinstance(slots, list):
+                    slots = slots[0]
+                slot_mapping = slots.get(name) if isinstance(slots, dict) else None
+                if slot_mapping is None:
+                    slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+                if slot_mapping is not None:
+                    q = query
+                    if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
+                        q = q.float() * q_scale
+                    tap.write(index, q, key, slot_mapping)
+            except Exception:  # noqa: BLE001
+                engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
+                                 exc=True)
+        return orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+    forward._attn_otel = True  # type: ignore[attr-defined]
+    impl.forward = forward
+
+
+def _vision_positions(req_state, T: int):
+    import numpy as np
+
+    feats = getattr(req_state, "mm_features", None) or []
+    mask = None
+    for f in feats:
+        if getattr(f, "modality", None) != "image":
+            continue
+        pr = f.mm_position
+        if mask is None:
+            mask = np.zeros(max(T, pr.offset + pr.length), dtype=bool)
+        seg = np.ones(pr.length, dtype=bool) if pr.is_embed is None else pr.is_embed.cpu().numpy().astype(bool)
+        mask[pr.offset:pr.offset + pr.length] |= seg
+    return mask
+
+
+def _around_update_states(orig, runner, scheduler_output, *args, **kwargs):
+    engine = getattr(runner, "_attn_otel", None)
+    if engine is None:
+        return orig(runner, scheduler_output, *args, **kwargs)
+    from .capture import FinishedRequest
+
+    written = engine.tokens_written
+    for req_id in scheduler_output.finished_req_ids:
+        n = written.pop(req_id, 0)
+        state = runner.requests.get(req_id)
+        if state is None or n <= 0:
+            continue
+        try:
+            req = FinishedRequest(
+                request_id=str(req_id),
+                prompt_token_ids=list(state.prompt_token_ids or []),
+                output_token_ids=list(state.output_token_ids),
+                num_tokens=n,
+                block_ids=state.block_ids,
+                block_sizes=engine.block_sizes,
+                extra_args=getattr(state.sampling_params, "extra_args", None) if state.sampling_params else None,
+                vision_positions=_vision_positions(state, n),
+            )
+        except Exception:  # noqa: BLE001
+            engine.stats.add("dropped", reason="capture_error")
+            engine.warn_once("state", "could not read request state of %s", req_id, exc=True)
+            continue
+        engine.on_finished(req)
+    result = orig(runner, scheduler_output, *args, **kwargs)
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        state = runner.requests.get(req_id)
+        if state is not None:
+            written[req_id] = int(state.num_computed_tokens) + int(n)
+    return result

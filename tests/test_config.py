@@ -1,0 +1,210 @@
+import dataclasses
+import logging
+
+import pytest
+
+from attn_otel.config import (
+    AUTO_LAYERS,
+    Config,
+    RequestOptions,
+    parse_layers,
+    parse_request_options,
+    resolve_layers,
+)
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+# --- Config.from_env -----------------------------------------------------------------------------------
+
+def test_empty_environment_gives_the_defaults():
+    assert Config.from_env({}) == Config()
+
+
+def test_defaults_are_off_and_local():
+    config = Config()
+    assert (config.enabled, config.store, config.layers) == (False, "./attn-otel-data", "auto")
+
+
+@pytest.mark.parametrize("value", ["1", "true", " YES ", "on"])
+def test_attn_otel_truthy_values_enable(value):
+    assert Config.from_env({"ATTN_OTEL": value}).enabled
+
+
+@pytest.mark.parametrize("value", ["0", "", "false", "maybe"])
+def test_attn_otel_other_values_leave_it_off(value):
+    assert not Config.from_env({"ATTN_OTEL": value}).enabled
+
+
+def test_every_variable_is_read():
+    config = Config.from_env({
+        "ATTN_OTEL_STORE": "s3://bucket/prefix",
+        "ATTN_OTEL_LAYERS": "16,0,8",
+        "ATTN_OTEL_MAPS_SAMPLE": "0.5",
+        "ATTN_OTEL_MAX_MAP_TOKENS": "4096",
+        "ATTN_OTEL_QUEUE_BYTES": "1000",
+        "ATTN_OTEL_STORE_TOKENS": "0",
+        "ATTN_OTEL_SINK_TOKENS": "2",
+    })
+    assert config == Config(store="s3://bucket/prefix", layers=(0, 8, 16), maps_sample=0.5, max_map_tokens=4096,
+                            queue_bytes=1000, store_tokens=False, sink_tokens=2)
+
+
+def test_blank_store_falls_back_to_the_default():
+    assert Config.from_env({"ATTN_OTEL_STORE": "   "}).store == Config().store
+
+
+@pytest.mark.parametrize("name, value, field", [
+    ("ATTN_OTEL_LAYERS", "0,x", "layers"),
+    ("ATTN_OTEL_LAYERS", "-1", "layers"),
+    ("ATTN_OTEL_MAPS_SAMPLE", "lots", "maps_sample"),
+    ("ATTN_OTEL_MAPS_SAMPLE", "1.5", "maps_sample"),
+    ("ATTN_OTEL_MAPS_SAMPLE", "nan", "maps_sample"),
+    ("ATTN_OTEL_MAX_MAP_TOKENS", "0", "max_map_tokens"),
+    ("ATTN_OTEL_MAX_MAP_TOKENS", "1e3", "max_map_tokens"),
+    ("ATTN_OTEL_QUEUE_BYTES", "-5", "queue_bytes"),
+    ("ATTN_OTEL_SINK_TOKENS", "four", "sink_tokens"),
+    ("ATTN_OTEL_STORE_TOKENS", "maybe", "store_tokens"),
+])
+def test_bad_value_warns_and_falls_back(caplog, name, value, field):
+    with caplog.at_level(logging.WARNING, logger="attn_otel"):
+        config = Config.from_env({name: value})
+    assert getattr(config, field) == getattr(Config(), field)
+    assert name in caplog.text
+
+
+def test_bad_value_leaves_the_other_variables_alone():
+    config = Config.from_env({"ATTN_OTEL_MAPS_SAMPLE": "lots", "ATTN_OTEL_SINK_TOKENS": "7"})
+    assert config.sink_tokens == 7
+
+
+def test_explicit_arguments_override_the_environment():
+    config = Config.from_env({"ATTN_OTEL_STORE": "/from/env", "ATTN_OTEL": "0"}, store="/explicit", enabled=True)
+    assert (config.store, config.enabled) == ("/explicit", True)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().enabled = True  # type: ignore[misc]
+
+
+# --- parse_layers / resolve_layers ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, expected", [
+    ("all", "all"),
+    (" AUTO ", "auto"),
+    ("16, 0,8,8", (0, 8, 16)),
+    ([3, 1], (1, 3)),
+    ((2.0,), (2,)),
+])
+def test_parse_layers_accepts(value, expected):
+    assert parse_layers(value) == expected
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0,x", "not an integer"),
+    ("-1", "negative"),
+    ([0, -3], "negative"),
+    ("", "empty"),
+    (" , ", "empty"),
+    ([True], "not an integer"),
+    ([1.5], "not an integer"),
+    ([None], "not an integer"),
+    (7, "got int"),
+    (None, "got NoneType"),
+    ({"0": 1}, "got dict"),
+    (b"0,1", "got bytes"),
+    (list(range(20_000)), "too long"),
+    ("0," * 20_000, "too long"),
+])
+def test_parse_layers_refuses(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_layers(value)
+
+
+def test_parse_layers_checks_the_model_size():
+    with pytest.raises(ValueError, match="does not exist"):
+        parse_layers("0,30", num_layers=30)
+
+
+@pytest.mark.parametrize("num_layers", range(1, 65))
+def test_auto_layers_are_few_and_include_first_and_last(num_layers):
+    layers = resolve_layers("auto", num_layers)
+    assert len(layers) <= AUTO_LAYERS
+    assert layers[0] == 0 and layers[-1] == num_layers - 1
+    assert list(layers) == sorted(set(layers))
+
+
+def test_auto_layers_are_evenly_spaced():
+    assert resolve_layers("auto", 30) == (0, 10, 19, 29)
+
+
+def test_all_layers_resolve_to_every_layer():
+    assert resolve_layers("all", 5) == (0, 1, 2, 3, 4)
+
+
+def test_explicit_layers_beyond_the_model_are_dropped():
+    assert resolve_layers((0, 8, 40), 30) == (0, 8)
+
+
+# --- parse_request_options -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra_args", [None, {}, ["attn_otel", "maps"], "maps", 42])
+def test_no_or_non_mapping_extra_args_give_the_defaults(extra_args):
+    assert parse_request_options(extra_args) == RequestOptions()
+
+
+def test_good_request_options_are_read():
+    options = parse_request_options({"attn_otel": " Maps ", "attn_otel_layers": "3,0", "traceparent": TRACEPARENT})
+    assert options == RequestOptions(mode="maps", layers=(0, 3), traceparent=TRACEPARENT)
+
+
+def test_unrelated_extra_args_are_ignored():
+    assert parse_request_options({"temperature_schedule": [1, 2], "other": object()}) == RequestOptions()
+
+
+@pytest.mark.parametrize("layers", ["all", "auto"])
+def test_all_or_auto_request_layers_mean_the_default(layers):
+    options = parse_request_options({"attn_otel_layers": layers})
+    assert options.layers is None and options.warnings == ()
+
+
+@pytest.mark.parametrize("mode", ["everything", "", 1, True, ["maps"], {"maps": 1}, 3.5])
+def test_bad_mode_warns_and_uses_the_default(mode):
+    options = parse_request_options({"attn_otel": mode})
+    assert options.mode is None
+    assert len(options.warnings) == 1 and "attn_otel=" in options.warnings[0]
+
+
+@pytest.mark.parametrize("layers", ["0,-1", [-2], "x", [0.5], {"a": 1}, 3, list(range(100_000)), "1," * 100_000])
+def test_bad_request_layers_warn_and_use_the_default(layers):
+    options = parse_request_options({"attn_otel_layers": layers})
+    assert options.layers is None
+    assert len(options.warnings) == 1 and "attn_otel_layers=" in options.warnings[0]
+
+
+@pytest.mark.parametrize("traceparent", [
+    "not-a-traceparent",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",  # no flags
+    "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",  # forbidden version
+    "00-00000000000000000000000000000000-00f067aa0ba902b7-01",  # all-zero trace id
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",  # all-zero parent id
+    TRACEPARENT.encode(),
+    12345,
+])
+def test_bad_traceparent_warns_and_is_dropped(traceparent):
+    options = parse_request_options({"traceparent": traceparent})
+    assert options.traceparent is None
+    assert len(options.warnings) == 1 and "traceparent=" in options.warnings[0]
+
+
+def test_one_bad_option_does_not_drop_the_good_ones():
+    options = parse_request_options({"attn_otel": "maps", "attn_otel_layers": "x", "traceparent": TRACEPARENT})
+    assert (options.mode, options.traceparent) == ("maps", TRACEPARENT)
+
+
+def test_huge_hostile_values_give_short_warnings():
+    options = parse_request_options({"attn_otel": "m" * 1_000_000, "attn_otel_layers": "9" * 1_000_000,
+                                     "traceparent": "0" * 1_000_000})
+    assert len(options.warnings) == 3
+    assert all(len(w) < 300 for w in options.warnings)
