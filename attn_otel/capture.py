@@ -186,7 +186,7 @@ class CaptureEngine:
     """Owns the tap, turns finished requests into captures, and hands them to the writer."""
 
     def __init__(self, config: Config, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype,
-                 device, model: str = "", engine_version: str = ""):
+                 device, model: str = "", engine_version: str = "", attrs: dict[str, Any] | None = None):
         self.config = config
         self.layers = list(layers)
         self.layer_ids = tuple(s.index for s in self.layers)
@@ -194,6 +194,7 @@ class CaptureEngine:
         self.device = torch.device(device)
         self.model = model
         self.engine_version = engine_version
+        self.attrs = dict(attrs or {})
         self.stats = Stats()
         self._warned: set[str] = set()
         self._store = None
@@ -317,7 +318,8 @@ class CaptureEngine:
             trace_id=trace_id, request_id=req.request_id, span_id=span_id, parent_span_id=parent,
             prompt_len=N, num_tokens=T, layers=tuple(s.index for s in layers), num_heads=H,
             model=self.model, engine_version=self.engine_version, mode="maps" if want_maps else "metrics",
-            token_ids=tokens, attrs={"vision": vision is not None, "sink_tokens": self.config.sink_tokens},
+            token_ids=tokens,
+            attrs={**self.attrs, "vision": vision is not None, "sink_tokens": self.config.sink_tokens},
         )
         return _Job(record, per_row_host, maps_host, event, nbytes, 0.0)
 

@@ -212,8 +212,10 @@ def _install(runner, kv_cache_config) -> None:
     model = getattr(runner.model_config, "served_model_name", None) or runner.model_config.model
     if isinstance(model, (list, tuple)):
         model = model[0]
+    backend = type(layers[specs[0].name].impl).__name__
     engine = CaptureEngine(config, specs, num_slots, _model_dtype(runner), runner.device,
-                           model=str(model), engine_version=f"vllm {vllm.__version__}")
+                           model=str(model), engine_version=f"vllm {vllm.__version__}",
+                           attrs={"attention_impl": backend})
     engine.block_sizes = block_sizes
     engine.tokens_written = {}
     runner._attn_otel = engine

@@ -4,19 +4,13 @@ One engine, vLLM's default serving features on: prefix caching (with a hit), chu
 (max_num_batched_tokens=256 below the prompt lengths), 16 concurrent requests, GQA (9 q / 3 kv heads).
 """
 
-import numpy as np
 import pytest
-from reference import hf_attention, tv_stats
+from reference import check_exact
 from text import prose
 
-import attn_otel
 from attn_otel.ids import new_span_id, new_trace_id
 
 pytestmark = pytest.mark.engine
-
-# Issue 2's bounds; transformers' own bf16 vs fp32 eager gives about 0.008 / 0.027 / 0.18 on SmolLM2.
-MEDIAN, P99, MAX = 0.02, 0.05, 0.35
-
 
 def _params(trace_id, max_tokens=8, **extra):
     from vllm import SamplingParams
@@ -26,21 +20,7 @@ def _params(trace_id, max_tokens=8, **extra):
 
 
 def _check_exact(engine, out, trace_id):
-    (cap,) = attn_otel.open_trace(trace_id, store=engine.store)
-    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-    T = len(ids) - 1  # the last sampled token never goes through the model
-    assert cap.num_tokens == T and cap.prompt_len == len(out.prompt_token_ids)
-    assert cap.layers == list(range(30)) and cap.num_heads == 9
-    assert list(cap.token_ids) == ids[:T]
-    got = cap.maps()
-    assert got.shape == (30, 9, T, T)
-    sums = got.sum(-1)
-    assert np.abs(sums - 1).max() <= 1e-3
-    assert np.abs(np.triu(got, 1)).max() == 0.0  # causal: nothing above the diagonal
-    ref = hf_attention(engine.model_path, ids[:T])
-    stats = tv_stats(got, ref)
-    assert stats["median"] <= MEDIAN and stats["p99"] <= P99 and stats["max"] <= MAX, stats
-    return stats
+    return check_exact(engine.store, engine.model_path, out, trace_id, num_layers=30, num_heads=9)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,102 @@
+"""The exactness test on an NVIDIA GPU with the CUDA vLLM in its default serving config.
+
+Run on the lent GPU machine (see the README, "GPU"): ``python3 -m pytest -m gpu tests/test_gpu.py``.
+A small random-weight Llama (GQA: 8 query / 2 KV heads, head_dim 64) is built there with transformers;
+its q/k projections are scaled up so the attention is far from uniform and the comparison means
+something.  vLLM keeps its defaults: FLASH_ATTN on Hopper, FULL_AND_PIECEWISE CUDA graphs, chunked
+prefill (max_num_batched_tokens=256, below the long prompt), prefix caching.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from reference import check_exact
+
+from attn_otel.ids import new_span_id, new_trace_id
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, HEADS, KV_HEADS = 4, 8, 2
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=64, vocab_size=4096,
+                      max_position_embeddings=4096, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(3.0)
+            layer.self_attn.k_proj.weight.mul_(3.0)
+    path = tmp_path_factory.mktemp("model")
+    model.to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpu_engine(gpu_model, tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    from vllm import LLM
+
+    llm = LLM(model=gpu_model, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=256,
+              gpu_memory_utilization=0.3, seed=0)
+    return llm, store
+
+
+def _run(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+
+    from attn_otel import vllm_adapter
+
+    traces = [new_trace_id() for _ in prompts]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                             extra_args={"attn_otel": "maps", "traceparent": f"00-{t}-{new_span_id()}-01"})
+              for t, m in zip(traces, max_tokens)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.step()  # delivers finished_req_ids to the worker
+    (engine,) = vllm_adapter.engines()
+    assert engine.flush(120)
+    return outs, traces
+
+
+def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
+    llm, store = gpu_engine
+    cc = llm.llm_engine.vllm_config.compilation_config
+    from attn_otel import vllm_adapter
+
+    rng = np.random.default_rng(0)
+    shared = rng.integers(10, 4000, 320).tolist()
+    long_prompt = shared + rng.integers(10, 4000, 400).tolist()
+    hit_prompt = shared + rng.integers(10, 4000, 50).tolist()
+    results = {"cudagraph_mode": str(cc.cudagraph_mode)}
+    outs1, tr1 = _run(llm, [long_prompt], [16])
+    outs2, tr2 = _run(llm, [hit_prompt], [16])
+    assert outs2[0].num_cached_tokens >= 200
+    concurrent = [rng.integers(10, 4000, 20 + 37 * i).tolist() for i in range(16)]
+    outs3, tr3 = _run(llm, concurrent, [8 + i for i in range(16)])
+    (engine,) = vllm_adapter.engines()
+    results["attention_impl"] = engine.attrs["attention_impl"]
+    results["prefix_cached_tokens"] = outs2[0].num_cached_tokens
+    worst = {"median": 0.0, "p99": 0.0, "max": 0.0}
+    for out, t in zip(outs1 + outs2 + outs3, tr1 + tr2 + tr3):
+        s = check_exact(store, gpu_model, out, t, LAYERS, HEADS, device="cuda")
+        worst = {k: max(worst[k], s[k]) for k in worst}
+    results["worst_tv"] = worst
+    results["stats"] = engine.stats.snapshot()
+    print("GPU exactness:", json.dumps(results))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_exactness.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    assert "FULL_AND_PIECEWISE" in results["cudagraph_mode"]
+    assert results["attention_impl"].startswith("FlashAttention")
