@@ -95,3 +95,21 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
             res[6, :, a:r1] = ctx / (ctx + gen).clamp_min(1e-30)
     return res
 
+
+
+def vision_mask(ranges) -> "np.ndarray":
+    """Boolean mask of image-embedding positions from ``(offset, length, is_embed or None)`` ranges.
+
+    ``is_embed`` marks which of a placeholder's ``length`` positions really receive an image embedding
+    (a processor may put break or separator tokens inside a placeholder); None means all of them.
+    """
+    import numpy as np
+
+    end = max((off + length for off, length, _ in ranges), default=0)
+    mask = np.zeros(end, dtype=bool)
+    for off, length, is_embed in ranges:
+        seg = np.ones(length, dtype=bool) if is_embed is None else np.asarray(is_embed, dtype=bool)
+        if seg.shape != (length,):
+            raise ValueError(f"is_embed has shape {seg.shape}, expected ({length},)")
+        mask[off:off + length] |= seg
+    return mask

@@ -86,12 +86,53 @@ class FinishedRequest:
 
     request_id: str
     prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
+    output_token_ids: Sequence[int] | None  # None when only the device holds them (see token_ids_device)
     num_tokens: int  # tokens whose Q/K went through the model (prompt + generated - last sampled)
     block_ids: Sequence[Sequence[int]]  # per KV-cache group
     block_sizes: Sequence[int]  # per KV-cache group
     extra_args: dict[str, Any] | None = None
     vision_positions: np.ndarray | None = None  # bool [>= num_tokens], True on image-embedding tokens
+    token_ids_device: torch.Tensor | None = None  # all token ids [>= num_tokens] on the device
+
+
+@dataclasses.dataclass
+class _Tracked:
+    prompt_token_ids: list[int]
+    extra_args: dict[str, Any] | None
+    block_ids: list[list[int]]
+    vision_positions: np.ndarray | None
+    written: int = 0
+
+
+class RequestTracker:
+    """Follows each request through the scheduler's per-step output: its blocks (per KV-cache group) and
+    how many of its tokens have been through the model.  Fed by the adapter; knows nothing of vLLM."""
+
+    def __init__(self) -> None:
+        self._reqs: dict[str, _Tracked] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def add(self, req_id: str, prompt_token_ids, extra_args, block_ids, num_computed: int, num_scheduled: int,
+            vision_positions=None) -> None:
+        self._reqs[req_id] = _Tracked(list(prompt_token_ids or []), extra_args, [list(b) for b in block_ids],
+                                      vision_positions, int(num_computed) + int(num_scheduled))
+
+    def update(self, req_id: str, new_block_ids, num_computed: int, num_scheduled: int, resumed: bool) -> None:
+        t = self._reqs.get(req_id)
+        if t is None:
+            return
+        if new_block_ids is not None:
+            if resumed:
+                t.block_ids = [list(b) for b in new_block_ids]
+            else:
+                for group, extra in zip(t.block_ids, new_block_ids):
+                    group.extend(extra)
+        t.written = int(num_computed) + int(num_scheduled)
+
+    def finish(self, req_id: str) -> _Tracked | None:
+        return self._reqs.pop(req_id, None)
 
 
 class Stats:
@@ -129,6 +170,7 @@ class _Job:
     event: Any  # torch.cuda.Event or None
     nbytes: int
     t_finish: float
+    token_ids: torch.Tensor | None = None  # host copy of device-held token ids, valid after ``event``
 
 
 class Handoff:
@@ -305,14 +347,16 @@ class CaptureEngine:
             per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
             if want_maps and cuda:
                 maps_host[li, : spec.num_heads].copy_(maps_dev, non_blocking=True)
-        event = None
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
         tokens = None
+        tokens_host = None
         if self.config.store_tokens:
-            ids = list(req.prompt_token_ids) + list(req.output_token_ids)
-            tokens = np.asarray(ids[:T], dtype=np.int32) if len(ids) >= T else None
+            if req.output_token_ids is not None:
+                ids = list(req.prompt_token_ids) + list(req.output_token_ids)
+                ids += [-1] * (T - len(ids))  # unknown to this worker (documented in the README)
+                tokens = np.asarray(ids[:T], dtype=np.int32)
+            elif req.token_ids_device is not None:
+                tokens_host = torch.empty((T,), dtype=req.token_ids_device.dtype, **host)
+                tokens_host.copy_(req.token_ids_device[:T], non_blocking=cuda)
         span_id = new_span_id()
         record = CaptureRecord(
             trace_id=trace_id, request_id=req.request_id, span_id=span_id, parent_span_id=parent,
@@ -321,7 +365,11 @@ class CaptureEngine:
             token_ids=tokens,
             attrs={**self.attrs, "vision": vision is not None, "sink_tokens": self.config.sink_tokens},
         )
-        return _Job(record, per_row_host, maps_host, event, nbytes, 0.0)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return _Job(record, per_row_host, maps_host, event, nbytes, 0.0, tokens_host)
 
     # ----------------------------------------------------------------- writer-thread side
     def _write(self, job: _Job) -> None:
@@ -329,6 +377,8 @@ class CaptureEngine:
             if job.event is not None:
                 job.event.synchronize()
             rec = job.record
+            if job.token_ids is not None:
+                rec.token_ids = job.token_ids.numpy().astype(np.int32)
             per_row = job.per_row.numpy()
             rec.metrics = {name: per_row[i] for i, name in enumerate(METRICS)
                            if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")}

@@ -10,9 +10,11 @@ methods (no vLLM source is modified):
 - ``GPUModelRunner.initialize_kv_cache`` (the CPU runner inherits it): sizes the tap to the KV cache's
   slots and wraps each captured layer's ``impl.forward`` to scatter its queries and keys by the layer's
   ``slot_mapping`` (inside the opaque attention op: eager, piecewise or full CUDA graph alike);
-- ``GPUModelRunner._update_states``: requests in ``finished_req_ids`` are captured *before* the original
-  runs, i.e. before this step can zero or overwrite their freed blocks; afterwards it records how many
-  tokens each scheduled request has been through the model.
+- ``GPUModelRunner._update_states`` (V1 runner, CPU build) or ``finish_requests`` (0.26's default
+  "model runner V2"): the first thing a step does with the scheduler's output.  Requests in
+  ``finished_req_ids`` are captured *before* the original runs, i.e. before this step can zero or
+  overwrite their freed blocks; then the step's new and scheduled requests are recorded (blocks, and how
+  many tokens have been through the model).
 
 Layers whose attention attn-otel cannot reproduce exactly (MLA, sliding window, soft-capping, ALiBi,
 attention sinks, encoder or cross attention, KV sharing) are refused by name with one log line; the rest
@@ -49,27 +51,29 @@ def engines() -> list:
 
 
 def _patch() -> None:
+    from vllm.platforms import current_platform
+
+    # vLLM 0.32's CPU runner and 0.26's V1 GPU runner: requests finish in _update_states.
     from vllm.v1.worker import gpu_model_runner
 
-    runner = gpu_model_runner.GPUModelRunner
-    _wrap(runner, "initialize_kv_cache", _after_initialize_kv_cache)
-    _wrap(runner, "_update_states", _around_update_states)
-    worker_classes = []
-    try:
-        from vllm.v1.worker.gpu_worker import Worker
+    _wrap(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", _after_initialize_kv_cache)
+    _wrap(gpu_model_runner.GPUModelRunner, "_update_states", _before_step)
+    try:  # vLLM 0.26's default GPU runner ("model runner V2"): requests finish in finish_requests.
+        from vllm.v1.worker.gpu import model_runner as v2
 
-        worker_classes.append(Worker)
-    except Exception:  # noqa: BLE001 - no CUDA worker in this build
+        _wrap(v2.GPUModelRunner, "initialize_kv_cache", _after_initialize_kv_cache)
+        _wrap(v2.GPUModelRunner, "finish_requests", _before_step)
+    except Exception:  # noqa: BLE001 - not in this build (the CPU build has no V2 runner)
         pass
-    try:
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        worker_classes.append(CPUWorker)
-    except Exception:  # noqa: BLE001
-        pass
-    for cls in worker_classes:
+    if current_platform.is_cpu():
+        # Imported only on CPU: the CPU runner's module replaces torch.cuda.Event process-wide.
+        from vllm.v1.worker.cpu_worker import CPUWorker as worker_cls
+    else:
+        from vllm.v1.worker.gpu_worker import Worker as worker_cls
+    for cls in worker_cls.__mro__:
         if "determine_available_memory" in vars(cls):
             _wrap(cls, "determine_available_memory", _scale_available_memory)
+            break
     logger.info("attn-otel: capture on (vLLM hooks installed)")
 
 
@@ -119,7 +123,7 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
     from .capture import LayerSpec
     from .config import resolve_layers
 
-    ctx = runner.compilation_config.static_forward_context
+    ctx = runner.vllm_config.compilation_config.static_forward_context
     attn = _attention_layers(ctx)
     all_names = {n for n, m in ctx.items() if hasattr(m, "impl") or "attn" in n}
     by_index: dict[int, tuple[str, object]] = {}
@@ -152,7 +156,7 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
 
 
 def _model_dtype(runner):
-    return runner.model_config.dtype
+    return runner.vllm_config.model_config.dtype
 
 
 # --------------------------------------------------------------------------------- hooks
@@ -194,7 +198,7 @@ def _after_initialize_kv_cache(orig, runner, kv_cache_config, *args, **kwargs):
 def _install(runner, kv_cache_config) -> None:
     import vllm
 
-    from .capture import CaptureEngine
+    from .capture import CaptureEngine, RequestTracker
     from .config import Config
 
     config = Config.from_env()
@@ -209,7 +213,8 @@ def _install(runner, kv_cache_config) -> None:
         logger.warning("attn-otel: no layer of this model can be captured; capture is off")
         return
     num_slots = kv_cache_config.num_blocks * max(block_sizes[s.group] for s in specs)
-    model = getattr(runner.model_config, "served_model_name", None) or runner.model_config.model
+    mc = runner.vllm_config.model_config
+    model = getattr(mc, "served_model_name", None) or mc.model
     if isinstance(model, (list, tuple)):
         model = model[0]
     backend = type(layers[specs[0].name].impl).__name__
@@ -217,7 +222,7 @@ def _install(runner, kv_cache_config) -> None:
                            model=str(model), engine_version=f"vllm {vllm.__version__}",
                            attrs={"attention_impl": backend})
     engine.block_sizes = block_sizes
-    engine.tokens_written = {}
+    engine.tracker = RequestTracker()
     runner._attn_otel = engine
     for spec in specs:
         _tap_layer(engine, spec, layers[spec.name])
@@ -259,53 +264,61 @@ def _tap_layer(engine, spec, layer) -> None:
     impl.forward = forward
 
 
-def _vision_positions(req_state, T: int):
-    import numpy as np
+def _vision_positions(new_req):
+    """Image-embedding token positions of a new request (``PlaceholderRange.is_embed``, not offset+length)."""
+    from .attention import vision_mask
 
-    feats = getattr(req_state, "mm_features", None) or []
-    mask = None
-    for f in feats:
-        if getattr(f, "modality", None) != "image":
-            continue
-        pr = f.mm_position
-        if mask is None:
-            mask = np.zeros(max(T, pr.offset + pr.length), dtype=bool)
-        seg = np.ones(pr.length, dtype=bool) if pr.is_embed is None else pr.is_embed.cpu().numpy().astype(bool)
-        mask[pr.offset:pr.offset + pr.length] |= seg
-    return mask
+    ranges = []
+    for f in getattr(new_req, "mm_features", None) or []:
+        if getattr(f, "modality", None) == "image":
+            pr = f.mm_position
+            ranges.append((pr.offset, pr.length, None if pr.is_embed is None else pr.is_embed.cpu().numpy()))
+    return vision_mask(ranges) if ranges else None
 
 
-def _around_update_states(orig, runner, scheduler_output, *args, **kwargs):
+def _output_tokens(runner, req_id: str):
+    """(host list of generated ids, or None; device tensor of all ids, or None) for a live request."""
+    state = getattr(runner, "requests", {}).get(req_id) if hasattr(runner, "requests") else None
+    if state is not None:  # V1 runner: host-side request state
+        return list(state.output_token_ids), None
+    rs = getattr(runner, "req_states", None)  # V2 runner: token ids live on the device
+    if rs is not None and req_id in rs.req_id_to_index:
+        return None, rs.all_token_ids.gpu[rs.req_id_to_index[req_id]].clone()
+    return None, None
+
+
+def _before_step(orig, runner, scheduler_output, *args, **kwargs):
     engine = getattr(runner, "_attn_otel", None)
-    if engine is None:
-        return orig(runner, scheduler_output, *args, **kwargs)
-    from .capture import FinishedRequest
-
-    written = engine.tokens_written
-    for req_id in scheduler_output.finished_req_ids:
-        n = written.pop(req_id, 0)
-        state = runner.requests.get(req_id)
-        if state is None or n <= 0:
-            continue
+    if engine is not None:
         try:
-            req = FinishedRequest(
-                request_id=str(req_id),
-                prompt_token_ids=list(state.prompt_token_ids or []),
-                output_token_ids=list(state.output_token_ids),
-                num_tokens=n,
-                block_ids=state.block_ids,
-                block_sizes=engine.block_sizes,
-                extra_args=getattr(state.sampling_params, "extra_args", None) if state.sampling_params else None,
-                vision_positions=_vision_positions(state, n),
-            )
+            _track(runner, engine, scheduler_output)
         except Exception:  # noqa: BLE001
             engine.stats.add("dropped", reason="capture_error")
-            engine.warn_once("state", "could not read request state of %s", req_id, exc=True)
+            engine.warn_once("track", "could not follow this step's requests", exc=True)
+    return orig(runner, scheduler_output, *args, **kwargs)
+
+
+def _track(runner, engine, so) -> None:
+    from .capture import FinishedRequest
+
+    tracker = engine.tracker
+    for req_id in so.finished_req_ids:
+        t = tracker.finish(req_id)
+        if t is None or t.written <= 0:
             continue
-        engine.on_finished(req)
-    result = orig(runner, scheduler_output, *args, **kwargs)
-    for req_id, n in scheduler_output.num_scheduled_tokens.items():
-        state = runner.requests.get(req_id)
-        if state is not None:
-            written[req_id] = int(state.num_computed_tokens) + int(n)
-    return result
+        outputs, device_ids = _output_tokens(runner, req_id)
+        engine.on_finished(FinishedRequest(
+            request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
+            num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes,
+            extra_args=t.extra_args, vision_positions=t.vision_positions, token_ids_device=device_ids))
+    scheduled = so.num_scheduled_tokens
+    for new in so.scheduled_new_reqs:
+        sp = new.sampling_params
+        tracker.add(new.req_id, new.prompt_token_ids, getattr(sp, "extra_args", None) if sp else None,
+                    new.block_ids, new.num_computed_tokens, scheduled.get(new.req_id, 0),
+                    _vision_positions(new))
+    cached = so.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None) or set()
+    for i, req_id in enumerate(cached.req_ids):
+        tracker.update(req_id, cached.new_block_ids[i], cached.num_computed_tokens[i], scheduled.get(req_id, 0),
+                       req_id in resumed)
