@@ -6,9 +6,10 @@ Usage::
     attn-otel fetch TRACE_ID [--request ID] [--layers 0,3] [--heads 0,1] [-o OUT.npz] [--store URL]
     attn-otel show  TRACE_ID --layer L [--head H] [--request ID] [--rows A:B] [--log]
                     [--tokenizer DIR] [-o MAP.png] [--store URL]
+    attn-otel metrics TRACE_ID [--request ID] [--json] [--store URL]
 
 The store is ``--store``, else ``ATTN_OTEL_STORE``, else ``./attn-otel-data``.  Output goes to stdout
-(``ls``) or the ``-o`` file; progress and errors go to stderr.  An error is one line,
+(``ls``, ``metrics``) or the ``-o`` file; progress and errors go to stderr.  An error is one line,
 ``attn-otel: error: ...``, and exit status 1; a usage error exits 2.
 
 Adding a subcommand: write ``add_NAME(subparsers, common)`` that calls
@@ -401,10 +402,87 @@ def add_show(subparsers, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_show)
 
 
+# --- metrics -------------------------------------------------------------------------------------------
+
+# (part, column header, metric) of the table; "{k}" is the capture's sink_tokens.
+METRIC_COLUMNS = (
+    ("prompt", "ENTROPY_NORM", "entropy_norm"),
+    ("prompt", "SINK[0]", "sink_mass_first"),
+    ("prompt", "SINK[0:{k}]", "sink_mass_k"),
+    ("prompt", "VISION", "vision_share"),
+    ("generated", "ENTROPY_NORM", "entropy_norm"),
+    ("generated", "LOOKBACK", "lookback_ratio"),
+)
+
+
+def _summary(cap: Capture) -> dict:
+    from .metrics import summarize
+
+    per_row = _read(cap, "metrics", lambda: cap.metrics)
+    if not per_row:
+        raise CliError(f"request {_printable(cap.request_id)!r} of trace {cap.trace_id} has no stored metrics")
+    try:
+        return summarize(per_row, cap.prompt_len)
+    except ValueError as e:
+        raise StoreError(f"{cap.prefix}: stored metrics are not per-row metrics ({e})") from None
+
+
+def _cell(stats: dict | None, li: int) -> str:
+    if stats is None:
+        return "-"
+    value = float(stats["layer_mean"][li])
+    return "-" if np.isnan(value) else f"{value:.3f}"
+
+
+def _metrics_table(cap: Capture, summary: dict) -> list[str]:
+    k = cap.meta.get("sink_tokens", 4)
+    headers = ["LAYER"] + [title.format(k=k) for _, title, _ in METRIC_COLUMNS]
+    rows = [[str(layer)] + [_cell(summary[part][name], li) for part, _, name in METRIC_COLUMNS]
+            for li, layer in enumerate(cap.layers)]
+    widths = [max(len(line[i]) for line in [headers, *rows]) for i in range(len(headers))]
+    groups = []
+    for part in ("prompt", "generated"):
+        span = [w for (p, _, _), w in zip(METRIC_COLUMNS, widths[1:]) if p == part]
+        groups.append(f" {part} ".center(sum(span) + 2 * (len(span) - 1), "-"))
+    lines = [f"trace {cap.trace_id}  request {_printable(cap.request_id)!r}  T={cap.num_tokens}  "
+             f"prompt_len={cap.prompt_len}  (means over {cap.num_heads} heads)",
+             " " * widths[0] + "  " + "  ".join(groups)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [headers, *rows]]
+    return lines
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from .metrics import to_json
+
+    caps = [_pick_capture(args.trace_id, args.store, args.request)] if args.request is not None \
+        else open_trace(args.trace_id, args.store)
+    summaries = [(cap, _summary(cap)) for cap in caps]  # every capture readable before anything is printed
+    if args.json:
+        docs = [to_json(cap, summary) for cap, summary in summaries]
+        print(json.dumps(docs[0] if len(docs) == 1 else docs, allow_nan=False))
+        return 0
+    blocks = ["\n".join(_metrics_table(cap, summary)) for cap, summary in summaries]
+    print("\n\n".join(blocks))
+    return 0
+
+
+def add_metrics(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "metrics", parents=[common], help="print a capture's attention-health metrics per layer",
+        description="Per layer, the mean over heads of each metric over the prompt rows and over the generated "
+                    "rows: normalised entropy, attention on token 0 and on the first k sink tokens, vision "
+                    "share ('-' for a text-only request) and lookback ratio.  One table per capture of the "
+                    "trace; with --json, per-(layer, head) means: one object, or a list for several captures.")
+    p.add_argument("trace_id", metavar="TRACE_ID", help="32 hex digits")
+    p.add_argument("--request", metavar="ID", help="only this request's capture (default: every capture of the trace)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_metrics)
+
+
 # --- entry point ---------------------------------------------------------------------------------------
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None]] = [
-    add_ls, add_fetch, add_show,
+    add_ls, add_fetch, add_show, add_metrics,
 ]
 
 

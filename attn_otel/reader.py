@@ -71,6 +71,13 @@ class Capture:
         g = self.group["metrics"]
         return {name: np.asarray(g[name][...]) for name in self.meta["metrics"]}
 
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """:func:`attn_otel.metrics.summarize` of this capture's metrics: per-(layer, head) means and
+        quantiles over the prompt rows and over the generated rows."""
+        from .metrics import summarize
+
+        return summarize(self.metrics, self.prompt_len)
+
     def layer_index(self, layer: int) -> int:
         try:
             return self.layers.index(int(layer))

@@ -303,6 +303,9 @@ def _track(runner, engine, so) -> None:
 
     tracker = engine.tracker
     for req_id in so.finished_req_ids:
+        if req_id.startswith("_") and "warmup" in req_id:  # vLLM's own start-up warm-up batches
+            tracker.finish(req_id)
+            continue
         t = tracker.finish(req_id)
         if t is None or t.written <= 0:
             continue

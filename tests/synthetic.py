@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from numpy_metrics import per_row_metrics
 
 from attn_otel.ids import new_span_id, new_trace_id
 from attn_otel.store import CaptureRecord, open_zarr_store, write_capture
@@ -17,11 +18,25 @@ def causal_maps(n_layers: int, n_heads: int, T: int, seed: int = 0) -> np.ndarra
     return (weights / weights.sum(axis=-1, keepdims=True)).astype(np.float32)
 
 
+def stored_metrics(maps: np.ndarray, prompt_len: int, sink_tokens: int = 4,
+                   vision: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """What a worker stores for these maps ``[L, H, T, T]``: ``{name: float32 [L, H, T]}``, computed by the
+    NumPy reference (vision metrics only with a ``vision`` mask, as for a request with an image)."""
+    per_layer = [per_row_metrics(layer, prompt_len, sink_tokens, vision) for layer in maps]
+    return {name: np.stack([m[name] for m in per_layer]).astype(np.float32) for name in per_layer[0]}
+
+
 def make_record(trace_id: str | None = None, request_id: str = "req-1", *, layers=(0, 3), heads: int = 2,
                 T: int = 12, prompt_len: int = 8, maps: bool = True, token_ids: bool = True, seed: int = 0,
-                created: float | None = None) -> tuple[CaptureRecord, np.ndarray | None]:
-    """A capture record and the float32 maps it was made from (None for a metrics-only capture)."""
-    expected = causal_maps(len(layers), heads, T, seed) if maps else None
+                created: float | None = None, sink_tokens: int = 4,
+                vision: np.ndarray | None = None) -> tuple[CaptureRecord, np.ndarray | None]:
+    """A capture record and the float32 maps it was made from (None for a metrics-only capture).
+
+    Its metrics are the per-row metrics of those maps (also for a metrics-only capture), with the vision
+    metrics when a ``vision`` mask (bool, over token positions) is given.
+    """
+    full = causal_maps(len(layers), heads, T, seed)
+    expected = full if maps else None
     extra = {} if created is None else {"created": created}
     record = CaptureRecord(
         trace_id=trace_id or new_trace_id(),
@@ -36,7 +51,8 @@ def make_record(trace_id: str | None = None, request_id: str = "req-1", *, layer
         mode="maps" if maps else "metrics",
         token_ids=np.arange(100, 100 + T, dtype=np.int32) if token_ids else None,
         maps=None if expected is None else expected.astype(np.float16),
-        metrics={"entropy": np.full((len(layers), heads), 1.5, dtype=np.float32)},
+        metrics=stored_metrics(full, prompt_len, sink_tokens, vision),
+        attrs={"vision": vision is not None, "sink_tokens": sink_tokens},
         **extra,
     )
     return record, expected

@@ -354,6 +354,133 @@ def test_token_labels_are_ids_without_a_tokenizer():
     assert cli._token_labels(np.array([7, 42]), None) == ["7", "42"]
 
 
+# --- metrics -------------------------------------------------------------------------------------------
+
+def _strict_json(text):
+    def refuse(name):
+        raise AssertionError(f"{name} in JSON output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _table_rows(out):
+    """{layer: cells} of the table lines (header, group line and column titles left out)."""
+    return {int(line.split()[0]): line.split()[1:] for line in out.splitlines() if line.split()[:1]
+            and line.split()[0].isdigit()}
+
+
+def test_metrics_table_has_a_row_for_every_layer(capsys, store, captured):
+    code, out, err = run(capsys, "metrics", captured[0].trace_id, "--store", store)
+    assert code == 0, err
+    assert sorted(_table_rows(out)) == [0, 3, 7]
+
+
+def test_metrics_table_names_the_capture(capsys, store, captured):
+    _, out, _ = run(capsys, "metrics", captured[0].trace_id, "--store", store)
+    assert out.splitlines()[0].split() == ["trace", captured[0].trace_id, "request", "'req-1'", "T=12",
+                                            "prompt_len=8", "(means", "over", "3", "heads)"]
+    assert out.splitlines()[2].split() == ["LAYER", "ENTROPY_NORM", "SINK[0]", "SINK[0:4]", "VISION",
+                                            "ENTROPY_NORM", "LOOKBACK"]
+
+
+def test_metrics_table_cells_are_means_over_heads(capsys, store, captured):
+    record, _ = captured
+    _, out, _ = run(capsys, "metrics", record.trace_id, "--store", store)
+    (cap,) = open_trace(record.trace_id, store)
+    s = cap.summary()
+    cells = _table_rows(out)[3]
+    assert float(cells[2]) == pytest.approx(s["prompt"]["sink_mass_k"]["layer_mean"][1], abs=5e-4)
+    assert float(cells[5]) == pytest.approx(s["generated"]["lookback_ratio"]["layer_mean"][1], abs=5e-4)
+
+
+def test_metrics_table_shows_a_dash_for_the_vision_of_a_text_only_request(capsys, store, captured):
+    _, out, _ = run(capsys, "metrics", captured[0].trace_id, "--store", store)
+    assert {cells[3] for cells in _table_rows(out).values()} == {"-"}
+
+
+def test_metrics_table_shows_the_vision_share_of_an_image_request(capsys, store):
+    record, _ = make_record(T=12, prompt_len=8, vision=np.arange(12) < 6)
+    write(store, record)
+    _, out, _ = run(capsys, "metrics", record.trace_id, "--store", store)
+    assert all(0 < float(cells[3]) < 1 for cells in _table_rows(out).values())
+
+
+def test_metrics_json_round_trips(capsys, store, captured):
+    from attn_otel.metrics import to_json
+
+    code, out, _ = run(capsys, "metrics", captured[0].trace_id, "--store", store, "--json")
+    assert code == 0
+    (cap,) = open_trace(captured[0].trace_id, store)
+    assert _strict_json(out) == json.loads(json.dumps(to_json(cap)))
+
+
+def test_metrics_json_of_a_prompt_only_request_has_nulls_not_nan(capsys, store):
+    record, _ = make_record(T=10, prompt_len=10)
+    write(store, record)
+    _, out, _ = run(capsys, "metrics", record.trace_id, "--store", store, "--json")
+    assert _strict_json(out)["generated"]["entropy"] == [[None, None], [None, None]]
+
+
+def test_metrics_json_of_several_captures_is_a_list(capsys, store):
+    trace_id = new_trace_id()
+    write(store, make_record(trace_id, "first", created=1.0)[0])
+    write(store, make_record(trace_id, "second", created=2.0, seed=1)[0])
+    _, out, _ = run(capsys, "metrics", trace_id, "--store", store, "--json")
+    assert [doc["request_id"] for doc in _strict_json(out)] == ["first", "second"]
+
+
+def test_metrics_table_of_several_captures_has_one_table_each(capsys, store):
+    trace_id = new_trace_id()
+    write(store, make_record(trace_id, "first", created=1.0)[0])
+    write(store, make_record(trace_id, "second", created=2.0, layers=(5,))[0])
+    _, out, _ = run(capsys, "metrics", trace_id, "--store", store)
+    first, second = out.split("\n\n")
+    assert "'first'" in first and sorted(_table_rows(first)) == [0, 3]
+    assert "'second'" in second and sorted(_table_rows(second)) == [5]
+
+
+def test_metrics_request_picks_one_capture_as_an_object(capsys, store):
+    trace_id = new_trace_id()
+    write(store, make_record(trace_id, "first", created=1.0)[0])
+    write(store, make_record(trace_id, "second", created=2.0)[0])
+    _, out, _ = run(capsys, "metrics", trace_id, "--store", store, "--json", "--request", "second")
+    assert _strict_json(out)["request_id"] == "second"
+
+
+def test_metrics_unknown_request_is_a_one_line_error(capsys, store, captured):
+    code, _, err = run(capsys, "metrics", captured[0].trace_id, "--store", store, "--request", "nope")
+    assert code == 1
+    assert_one_line_error(err)
+    assert "req-1" in err
+
+
+def test_metrics_unknown_trace_is_a_one_line_error(capsys, store, captured):
+    code, _, err = run(capsys, "metrics", new_trace_id(), "--store", store)
+    assert code == 1
+    assert_one_line_error(err)
+    assert "no capture of trace" in err
+
+
+def test_metrics_of_a_capture_without_metrics_is_an_error(capsys, store):
+    record, _ = make_record()
+    record.metrics = {}
+    write(store, record)
+    code, _, err = run(capsys, "metrics", record.trace_id, "--store", store)
+    assert code == 1
+    assert_one_line_error(err)
+    assert "no stored metrics" in err
+
+
+def test_metrics_that_are_not_per_row_are_an_error_naming_the_capture(capsys, store):
+    record, _ = make_record()
+    record.metrics = {"entropy": np.ones((2, 2), dtype=np.float32)}
+    write(store, record)
+    code, _, err = run(capsys, "metrics", record.trace_id, "--store", store)
+    assert code == 1
+    assert_one_line_error(err)
+    assert capture_prefix(record.trace_id, record.request_id) in err
+
+
 # --- the entry point -----------------------------------------------------------------------------------
 
 def test_no_command_is_a_usage_error(capsys):

@@ -1,0 +1,112 @@
+"""Per-(layer, head) summaries of a capture's per-row metrics, over prompt rows and generated rows apart.
+
+NumPy only (no torch, no vLLM): this runs in the reader, the CLI and the exporters.  The per-row metrics
+and where each is defined are documented in :mod:`attn_otel.attention`; a capture stores them as
+``metrics/{name}`` float32 ``[n_layers, n_heads, T]``, NaN where a row has no value.
+
+Rows 0..N-1 are the prompt, rows N..T-1 the generated tokens (N = ``prompt_len``).  A summary only averages
+the rows where a metric is defined, and is NaN (``None`` in JSON) where a part has none: the generated part
+of a prompt-only request, the vision share of rows that see no image token.  ``lookback_ratio`` is defined
+on generated rows only and is summarised there only.  The vision metrics are stored only for requests with
+an image; for the others they summarise to ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Mapping
+
+import numpy as np
+
+PARTS = ("prompt", "generated")
+COMMON = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share", "vision_share_norm")
+GENERATED_ONLY = ("lookback_ratio",)
+VISION = ("vision_share", "vision_share_norm")
+QUANTILES = {"p10": 0.10, "p50": 0.50, "p90": 0.90}
+
+
+def _names(part: str) -> tuple[str, ...]:
+    return COMMON + GENERATED_ONLY if part == "generated" else COMMON
+
+
+def _stats(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """``rows`` float64 [L, H, R] (NaN = undefined) -> mean [L, H], layer_mean [L], p10/p50/p90 [L, H]."""
+    defined = ~np.isnan(rows)
+    count = defined.sum(axis=-1)
+    total = np.where(defined, rows, 0.0).sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    heads = ~np.isnan(mean)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        layer_mean = np.where(heads.any(-1), np.where(heads, mean, 0.0).sum(-1) / np.maximum(heads.sum(-1), 1),
+                              np.nan)
+    out = {"mean": mean, "layer_mean": layer_mean}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "All-NaN slice": those entries are NaN, as meant
+        for key, q in QUANTILES.items():
+            out[key] = (np.nanquantile(rows, q, axis=-1) if rows.shape[-1]
+                        else np.full(rows.shape[:-1], np.nan))
+    return out
+
+
+def summarize(per_row: Mapping[str, np.ndarray], prompt_len: int) -> dict[str, dict[str, Any]]:
+    """``{"prompt": {name: stats | None}, "generated": {name: stats | None}}`` from ``{name: [L, H, T]}``.
+
+    ``stats`` is ``{"mean": [L, H], "layer_mean": [L], "p10": [L, H], "p50": [L, H], "p90": [L, H]}`` (float64):
+    the mean and quantiles over the part's rows where the metric is defined, per layer and head, and the mean
+    of the head means per layer; NaN where there is no defined row.  Each part lists the known metrics
+    (``lookback_ratio`` in ``generated`` only) and any other metric present; a known metric that
+    ``per_row`` lacks (the vision metrics of a text-only request) is ``None``.
+    """
+    shapes = {name: np.shape(v) for name, v in per_row.items()}
+    for name, shape in shapes.items():
+        if len(shape) != 3:
+            raise ValueError(f"metric {name!r} has shape {list(shape)}, expected [layers, heads, tokens]")
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"metrics disagree on their shape: {({n: list(s) for n, s in shapes.items()})}")
+    N = int(prompt_len)
+    T = next(iter(shapes.values()))[2] if shapes else N
+    if not 0 <= N <= T:
+        raise ValueError(f"prompt_len {N} is outside 0..{T} (the number of rows)")
+    bounds = {"prompt": (0, N), "generated": (N, T)}
+    out: dict[str, dict[str, Any]] = {}
+    for part in PARTS:
+        start, stop = bounds[part]
+        names = list(_names(part)) + sorted(n for n in per_row if n not in COMMON + GENERATED_ONLY)
+        out[part] = {name: (_stats(np.asarray(per_row[name], dtype=np.float64)[..., start:stop])
+                            if name in per_row else None) for name in names}
+    return out
+
+
+def _json_value(x: float) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _json_matrix(stats: dict[str, np.ndarray] | None) -> list[list[float | None]] | None:
+    if stats is None:
+        return None
+    return [[_json_value(x) for x in layer] for layer in stats["mean"]]
+
+
+def to_json(capture, summary: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """A capture's per-(layer, head) means as plain JSON (``json.dumps(..., allow_nan=False)`` works)::
+
+        {"trace_id", "request_id", "layers": [...],
+         "prompt":    {"entropy", "entropy_norm", "sink_mass_first", "sink_mass_k",
+                       "vision_share", "vision_share_norm"},
+         "generated": {the same, and "lookback_ratio"}}
+
+    Each value is a ``[n_layers][n_heads]`` list: the mean over the part's rows, ``null`` where no row of the
+    part defines it.  The vision values are ``null`` as a whole for a text-only request.  ``summary``, when
+    given, is the capture's :func:`summarize` already computed (the metrics are then not read again).
+    """
+    if summary is None:
+        summary = summarize(capture.metrics, capture.prompt_len)
+    return {
+        "trace_id": capture.trace_id,
+        "request_id": capture.request_id,
+        "layers": [int(x) for x in capture.layers],
+        **{part: {name: _json_matrix(summary[part][name]) for name in _names(part)} for part in PARTS},
+    }

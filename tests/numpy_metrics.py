@@ -1,0 +1,58 @@
+"""Per-row attention metrics in plain NumPy (float64), straight from the definitions: the reference that
+:func:`attn_otel.attention.attention_metrics` (torch, banded, float32) is checked against.
+
+Written row by row on purpose: slow, but each line reads like the formula in attention.py's docstring.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def per_row_metrics(A: np.ndarray, prompt_len: int, sink_tokens: int = 4,
+                    vision: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """``{name: float64 [H, T]}`` from full causal maps ``A [H, T, T]``; NaN where a metric is undefined.
+
+    Only keys 0..i of row i are read (n_i = i + 1 visible keys), and 0 * ln 0 counts as 0.
+    ``vision`` is a boolean mask over key positions (shorter masks are padded with False); without it the
+    vision metrics are left out, as they are for a text-only capture.
+    """
+    A = np.asarray(A, dtype=np.float64)
+    H, T, T2 = A.shape
+    if T != T2:
+        raise ValueError(f"maps must be [H, T, T], got {A.shape}")
+    N, k = int(prompt_len), int(sink_tokens)
+    image = None
+    if vision is not None:
+        image = np.zeros(T, dtype=bool)
+        v = np.asarray(vision, dtype=bool)[:T]
+        image[: len(v)] = v
+
+    names = ["entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "lookback_ratio"]
+    if image is not None:
+        names += ["vision_share", "vision_share_norm"]
+    out = {name: np.full((H, T), np.nan) for name in names}
+
+    for i in range(T):
+        row = A[:, i, : i + 1]  # [H, n_i]: the keys row i can see
+        n = i + 1
+        safe = np.where(row > 0, row, 1.0)
+        entropy = -(np.where(row > 0, row * np.log(safe), 0.0)).sum(axis=1)
+        out["entropy"][:, i] = entropy
+        if n > 1:
+            out["entropy_norm"][:, i] = entropy / np.log(n)
+        if i >= k:
+            out["sink_mass_first"][:, i] = row[:, 0]
+            out["sink_mass_k"][:, i] = row[:, :k].sum(axis=1)
+        if image is not None:
+            seen = image[: i + 1]
+            if seen.any():
+                share = row[:, seen].sum(axis=1)
+                out["vision_share"][:, i] = share
+                out["vision_share_norm"][:, i] = share / (seen.sum() / n)
+        if N > 0 and i > N:
+            ctx = row[:, :N].mean(axis=1)
+            gen = row[:, N:i].mean(axis=1)  # N <= j < i: the query's own key is neither
+            with np.errstate(invalid="ignore"):
+                out["lookback_ratio"][:, i] = ctx / (ctx + gen)
+    return out
