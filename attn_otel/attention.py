@@ -62,6 +62,8 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
     res = torch.full((len(METRICS), hq, T), float("nan"), dtype=torch.float32, device=dev)
     n_vis = torch.arange(1, T + 1, device=dev, dtype=torch.float32)
     log_n = torch.log(n_vis)
+    if vision_mask is not None and tuple(vision_mask.shape) != (T,):
+        raise ValueError(f"vision_mask has shape {tuple(vision_mask.shape)}, expected ({T},)")
     vm = vision_mask.to(device=dev, dtype=torch.float32) if vision_mask is not None else None
     vis_count = torch.cumsum(vm, 0) if vm is not None else None
     N = int(prompt_len)
@@ -92,7 +94,8 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
             gen_cols = torch.arange(T, device=dev)
             gmask = (gen_cols >= N).view(1, -1) & (gen_cols.view(1, -1) < i.view(-1, 1))  # [r, T]
             gen = (pa * gmask).sum(-1) / (i - N).float()
-            res[6, :, a:r1] = ctx / (ctx + gen).clamp_min(1e-30)
+            tot = ctx + gen
+            res[6, :, a:r1] = torch.where(tot > 0, ctx / tot.clamp_min(1e-30), torch.nan)
     return res
 
 

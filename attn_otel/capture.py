@@ -14,7 +14,6 @@ including the CPU backend's ISA-specific packing; see the README for what that c
 
 from __future__ import annotations
 
-import atexit
 import collections
 import dataclasses
 import logging
@@ -32,6 +31,8 @@ from .ids import maps_sampled, new_span_id, new_trace_id, parse_traceparent
 from .store import CaptureRecord, open_zarr_store, write_capture
 
 logger = logging.getLogger("attn_otel")
+
+EXIT_DRAIN_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +174,23 @@ class _Job:
     token_ids: torch.Tensor | None = None  # host copy of device-held token ids, valid after ``event``
 
 
+def _at_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at interpreter exit *before* thread-pool executors shut down (zarr's stores do their
+    I/O through one), the way concurrent.futures itself registers; plain atexit runs too late."""
+    import concurrent.futures.thread  # noqa: F401 - registered first, so it runs after ``fn``
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(fn)
+            return
+    except RuntimeError:  # already shutting down
+        return
+    import atexit
+
+    atexit.register(fn)
+
+
 class Handoff:
     """Bounded (in bytes) queue from the engine loop to one writer thread: put never blocks; when a
     capture does not fit, it is dropped and counted."""
@@ -182,12 +200,14 @@ class Handoff:
         self.stats = stats
         self._sink = sink
         self._bytes = 0
+        self._closing = 0.0
         self._lock = threading.Lock()
         self._q: queue.Queue[_Job | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="attn-otel-writer", daemon=True)
         self._thread.start()
+        _at_exit(self._drain_at_exit)
 
     def reserve(self, nbytes: int) -> bool:
         with self._lock:
@@ -216,9 +236,16 @@ class Handoff:
             if job is None:
                 return
             try:
-                self._sink(job)
+                if self._closing and time.monotonic() > self._closing:  # a hung store must not hang exit
+                    self.stats.add("dropped", reason="shutdown")
+                else:
+                    self._sink(job)
             finally:
                 self.release(job.nbytes)
+
+    def _drain_at_exit(self) -> None:
+        self._closing = time.monotonic() + EXIT_DRAIN_S
+        self.flush(EXIT_DRAIN_S + 1)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._idle.wait(timeout)
@@ -241,7 +268,6 @@ class CaptureEngine:
         self._warned: set[str] = set()
         self._store = None
         self.handoff = Handoff(config, self.stats, self._write)
-        atexit.register(self.close)
 
     # ----------------------------------------------------------------- engine-loop side (no I/O here)
     def warn_once(self, key: str, msg: str, *args: Any, exc: bool = False) -> None:
@@ -328,11 +354,14 @@ class CaptureEngine:
         L, H = len(layers), max(s.num_heads for s in layers)
         cuda = self.device.type == "cuda"
         host = dict(pin_memory=True) if cuda else {}
-        per_row_host = torch.empty((len(METRICS), L, H, T), dtype=torch.float32, **host)
+        per_row_host = torch.full((len(METRICS), L, H, T), float("nan"), dtype=torch.float32, **host)
         maps_host = torch.zeros((L, H, T, T), dtype=torch.float16, **host) if want_maps else None
-        vision = None
+        vision = vision_np = None
         if req.vision_positions is not None and np.any(req.vision_positions[:T]):
-            vision = torch.from_numpy(np.asarray(req.vision_positions[:T], dtype=bool)).to(self.device)
+            vision_np = np.zeros(T, dtype=bool)  # the mask ends with the last image; pad it to T
+            n = min(T, len(req.vision_positions))
+            vision_np[:n] = np.asarray(req.vision_positions[:n], dtype=bool)
+            vision = torch.from_numpy(vision_np).to(self.device)
         N = min(len(req.prompt_token_ids), T)
         slots_by_group: dict[int, torch.Tensor] = {}
         for li, spec in enumerate(layers):
@@ -363,6 +392,7 @@ class CaptureEngine:
             prompt_len=N, num_tokens=T, layers=tuple(s.index for s in layers), num_heads=H,
             model=self.model, engine_version=self.engine_version, mode="maps" if want_maps else "metrics",
             token_ids=tokens,
+            vision_mask=vision_np,
             attrs={**self.attrs, "vision": vision is not None, "sink_tokens": self.config.sink_tokens},
         )
         event = None
@@ -402,4 +432,4 @@ class CaptureEngine:
         return self.handoff.flush(timeout)
 
     def close(self) -> None:
-        self.flush(30.0)
+        self.flush(EXIT_DRAIN_S)

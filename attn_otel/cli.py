@@ -7,6 +7,7 @@ Usage::
     attn-otel show  TRACE_ID --layer L [--head H] [--request ID] [--rows A:B] [--log]
                     [--tokenizer DIR] [-o MAP.png] [--store URL]
     attn-otel metrics TRACE_ID [--request ID] [--json] [--store URL]
+    attn-otel demo  [-o PNG] [--max-tokens N] [--store URL]
 
 The store is ``--store``, else ``ATTN_OTEL_STORE``, else ``./attn-otel-data``.  Output goes to stdout
 (``ls``, ``metrics``) or the ``-o`` file; progress and errors go to stderr.  An error is one line,
@@ -481,8 +482,14 @@ def add_metrics(subparsers, common: argparse.ArgumentParser) -> None:
 
 # --- entry point ---------------------------------------------------------------------------------------
 
+def add_demo(subparsers, common: argparse.ArgumentParser) -> None:
+    from .demo import add_demo as add  # the demo imports vLLM only when it runs
+
+    add(subparsers, common)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None]] = [
-    add_ls, add_fetch, add_show, add_metrics,
+    add_ls, add_fetch, add_show, add_metrics, add_demo,
 ]
 
 

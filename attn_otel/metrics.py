@@ -45,8 +45,7 @@ def _stats(rows: np.ndarray) -> dict[str, np.ndarray]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "All-NaN slice": those entries are NaN, as meant
         for key, q in QUANTILES.items():
-            out[key] = (np.nanquantile(rows, q, axis=-1) if rows.shape[-1]
-                        else np.full(rows.shape[:-1], np.nan))
+            out[key] = np.nanquantile(rows, q, axis=-1)
     return out
 
 

@@ -65,6 +65,13 @@ class Capture:
         return np.asarray(self.group["token_ids"][...])
 
     @property
+    def vision_mask(self) -> np.ndarray | None:
+        """bool [T]: positions holding image embeddings (from ``PlaceholderRange.is_embed``), or None."""
+        if not self.meta.get("vision_mask"):
+            return None
+        return np.asarray(self.group["vision_mask"][...], dtype=bool)
+
+    @property
     def metrics(self) -> dict[str, np.ndarray]:
         if not self.meta.get("metrics"):
             return {}

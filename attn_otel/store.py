@@ -7,7 +7,8 @@ Layout (``{store}`` is ``ATTN_OTEL_STORE``)::
                                                               chunks (1, 1, ROWS, T): one layer+head is
                                                               ceil(T/ROWS) reads, a band of rows one read
     {store}/traces/{trace_id}/{request_key}/token_ids/...    int32 [T] (only with ATTN_OTEL_STORE_TOKENS=1)
-    {store}/traces/{trace_id}/{request_key}/metrics/...      float32 per-(layer, head) summaries
+    {store}/traces/{trace_id}/{request_key}/metrics/{name}   float32 [layers, heads, T], per query row
+    {store}/traces/{trace_id}/{request_key}/vision_mask      bool [T], image-embedding positions (multimodal)
     {store}/traces/{trace_id}/{request_key}/COMPLETE         JSON summary, written last
 
 A capture is visible to readers only once ``COMPLETE`` exists, so a writer killed mid-capture leaves
@@ -57,6 +58,7 @@ class CaptureRecord:
     maps: np.ndarray | None = None  # float16 [layers, heads, T, T]
     metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    vision_mask: np.ndarray | None = None  # bool [T]: image-embedding positions (multimodal requests)
 
     def nbytes(self) -> int:
         n = 0 if self.maps is None else self.maps.nbytes
@@ -131,6 +133,7 @@ def summary(record: CaptureRecord) -> dict[str, Any]:
         "mode": record.mode,
         "maps": record.maps is not None,
         "token_ids": record.token_ids is not None,
+        "vision_mask": record.vision_mask is not None,
         "created": record.created,
         "metrics": sorted(record.metrics),
         **record.attrs,
@@ -162,6 +165,8 @@ def write_capture(store, record: CaptureRecord) -> int:
     if record.token_ids is not None:
         group.create_array("token_ids", data=np.asarray(record.token_ids, dtype=np.int32))
         written += record.token_ids.nbytes
+    if record.vision_mask is not None:
+        group.create_array("vision_mask", data=np.asarray(record.vision_mask, dtype=bool))
     if record.metrics:
         mg = group.create_group("metrics")
         for name, value in record.metrics.items():

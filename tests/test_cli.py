@@ -364,9 +364,9 @@ def _strict_json(text):
 
 
 def _table_rows(out):
-    """{layer: cells} of the table lines (header, group line and column titles left out)."""
-    return {int(line.split()[0]): line.split()[1:] for line in out.splitlines() if line.split()[:1]
-            and line.split()[0].isdigit()}
+    """{layer: cells} of the table's layer lines (the header, group line and column titles left out)."""
+    rows = [line.split() for line in out.splitlines()]
+    return {int(cells[0]): cells[1:] for cells in rows if cells and cells[0].isdigit()}
 
 
 def test_metrics_table_has_a_row_for_every_layer(capsys, store, captured):
@@ -493,12 +493,12 @@ def test_help_exits_zero(capsys):
 
 
 def test_a_new_subcommand_can_be_added(capsys, monkeypatch):
-    def add_demo(subparsers, common):
-        p = subparsers.add_parser("demo", parents=[common])
+    def add_extra(subparsers, common):
+        p = subparsers.add_parser("extra", parents=[common])
         p.set_defaults(func=lambda args: 7 if args.store == "s" else 0)
 
-    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, add_demo])
-    assert run(capsys, "demo", "--store", "s")[0] == 7
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, add_extra])
+    assert run(capsys, "extra", "--store", "s")[0] == 7
 
 
 def test_an_unexpected_failure_is_one_line_with_its_type(capsys, monkeypatch):

@@ -55,6 +55,13 @@ def test_a_part_without_rows_is_nan_without_warnings():
     assert all(np.isnan(s[key]).all() for key in ("mean", "layer_mean", "p10", "p50", "p90"))
 
 
+def test_a_head_without_defined_rows_is_nan_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = summarize({"entropy": ENTROPY}, prompt_len=2)["generated"]["entropy"]
+    assert all(np.isnan(s[key][0, 1]) for key in ("mean", "p10", "p50", "p90"))
+
+
 def test_lookback_ratio_is_summarised_over_generated_rows_only():
     s = summarize({"entropy": ENTROPY, "lookback_ratio": np.array([[[NAN, NAN, NAN, 0.25]] * 2])}, prompt_len=2)
     assert "lookback_ratio" not in s["prompt"]

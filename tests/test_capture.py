@@ -1,0 +1,91 @@
+"""The vLLM-free capture engine: hand-off bounds, skips and drops are counted, and exit drains."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import attn_otel
+from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec
+from attn_otel.config import Config
+from attn_otel.ids import new_span_id, new_trace_id
+
+SPEC = LayerSpec(index=0, name="l0", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+
+
+def _engine(tmp_path, **cfg):
+    eng = CaptureEngine(Config(store=str(tmp_path / "store"), **cfg), [SPEC], 256, torch.float32, "cpu")
+    eng.tap.write(0, torch.randn(200, 64), torch.randn(200, 32), torch.arange(200))
+    return eng
+
+
+def _req(T, mode="maps", trace=None):
+    extra = {"attn_otel": mode}
+    if trace:
+        extra["traceparent"] = f"00-{trace}-{new_span_id()}-01"
+    return FinishedRequest(f"r{T}", list(range(T - 2)), [7, 8], T, [list(range(16))], [16], extra)
+
+
+def test_a_capture_that_does_not_fit_the_queue_is_dropped_and_counted(tmp_path):
+    eng = _engine(tmp_path, queue_bytes=1000)
+    eng.on_finished(_req(100, "metrics"))
+    eng.flush(30)
+    s = eng.stats.snapshot()
+    assert s["dropped"] == {"queue_full": 1} and s["stored"] == 0 and s["captured"] == 0
+
+
+def test_maps_that_do_not_fit_fall_back_to_metrics(tmp_path):
+    eng = _engine(tmp_path, queue_bytes=50_000)  # metrics of T=100 fit (11 kB), with maps (+80 kB) not
+    trace = new_trace_id()
+    eng.on_finished(_req(100, "maps", trace))
+    eng.flush(30)
+    assert eng.stats.snapshot()["skipped"] == {"maps_queue_full": 1}
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    assert not cap.has_maps and cap.metrics["entropy"].shape == (1, 4, 100)
+
+
+def test_requests_longer_than_the_map_cap_get_metrics_only(tmp_path):
+    eng = _engine(tmp_path, max_map_tokens=50)
+    trace = new_trace_id()
+    eng.on_finished(_req(100, "maps", trace))
+    eng.flush(30)
+    assert eng.stats.snapshot()["skipped"] == {"map_too_long": 1}
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    assert not cap.has_maps
+
+
+def test_a_store_that_fails_is_counted_not_raised(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    eng = CaptureEngine(Config(store=str(tmp_path / "file")), [SPEC], 256, torch.float32, "cpu")
+    eng.on_finished(_req(20, "metrics"))
+    assert eng.flush(30)
+    assert eng.stats.snapshot()["dropped"] == {"store_error": 1}
+
+
+def test_pending_captures_are_written_when_the_process_exits(tmp_path):
+    trace = new_trace_id()
+    script = textwrap.dedent(f"""
+        import torch
+        from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec
+        from attn_otel.config import Config
+        spec = LayerSpec(index=0, name="l0", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+        eng = CaptureEngine(Config(store={str(tmp_path / "store")!r}), [spec], 4096, torch.float32, "cpu")
+        eng.tap.write(0, torch.randn(3000, 64), torch.randn(3000, 32), torch.arange(3000))
+        extra = {{"attn_otel": "maps", "traceparent": "00-{trace}-00f067aa0ba902b7-01"}}
+        eng.on_finished(FinishedRequest("r", list(range(2990)), [1] * 10, 3000, [list(range(200))], [16], extra))
+        # no flush: the interpreter exits with the capture still in the hand-off
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "failed" not in res.stderr
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    assert cap.has_maps and cap.num_tokens == 3000
+
+
+@pytest.mark.parametrize("mode", ["off"])
+def test_off_is_skipped(tmp_path, mode):
+    eng = _engine(tmp_path)
+    eng.on_finished(_req(10, mode))
+    assert eng.stats.snapshot()["skipped"] == {"request_off": 1}

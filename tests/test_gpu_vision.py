@@ -1,0 +1,126 @@
+"""Vision share end to end on a real multimodal architecture served by vLLM (GPU: vLLM's LLaVA code needs
+torchvision, which has no CPU build here).
+
+A LLaVA-1.5-shaped model (CLIP vision tower + Llama) with random weights is built from a config, with a
+word-level tokenizer made in code, so nothing is downloaded.  Checks: the image-embedding positions
+attn-otel stored are exactly where the model's own processor put image tokens; vision share (raw and
+normalised) equals NumPy on the stored maps; a text-only request has no vision metrics at all.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from numpy_metrics import per_row_metrics
+from text import SENTENCES
+
+from attn_otel.ids import new_span_id, new_trace_id
+
+pytestmark = pytest.mark.gpu
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w.strip(".,").lower() for s in SENTENCES for w in s.split()} | {"describe", "and", "the",
+                                                                                      "image", "compare"})
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "<image>"] + words)}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   additional_special_tokens=["<image>"])
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    import torch
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = _tokenizer()
+    image_id = tok.convert_tokens_to_ids("<image>")
+    vc = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                          image_size=56, patch_size=14, projection_dim=64)
+    tc = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, vocab_size=len(tok), max_position_embeddings=2048,
+                     bos_token_id=1, eos_token_id=2)
+    cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_index=image_id,
+                      vision_feature_select_strategy="default", vision_feature_layer=-2)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llava")
+    LlavaForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(path)
+    proc = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 56},
+                                                             crop_size={"height": 56, "width": 56}),
+                          tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                          image_token="<image>", num_additional_image_tokens=1,
+                          chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    proc.save_pretrained(path)
+    return str(path), proc, image_id
+
+
+def _images(n):
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    return [Image.fromarray((rng.random((64, 64, 3)) * 255).astype("uint8")) for _ in range(n)]
+
+
+def test_vision_share_end_to_end_on_llava(llava, tmp_path):
+    import attn_otel
+    from vllm import LLM, SamplingParams
+
+    path, proc, image_id = llava
+    store = tmp_path / "store"
+    os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    llm = LLM(model=path, max_model_len=1024, limit_mm_per_prompt={"image": 2}, gpu_memory_utilization=0.3)
+    prompt = "compare the <image> and the <image> describe the old lighthouse keeper and the ships"
+    images = _images(2)
+    vis_trace, txt_trace = new_trace_id(), new_trace_id()
+
+    def sp(trace):
+        return SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                              extra_args={"attn_otel": "maps", "traceparent": f"00-{trace}-{new_span_id()}-01"})
+
+    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}}, sp(vis_trace), use_tqdm=False)[0]
+    llm.generate("describe the old lighthouse keeper and the ships", sp(txt_trace), use_tqdm=False)
+    llm.llm_engine.step()
+    from attn_otel import vllm_adapter
+
+    (engine,) = vllm_adapter.engines()
+    assert engine.flush(120)
+
+    # The model's own processor, on the same prompt and images, decides where image embeddings go.
+    expected = np.asarray(proc(text=prompt, images=images)["input_ids"][0]) == image_id
+    assert expected.sum() == 32  # 2 images x (56/14)^2 patches, CLS dropped ("default" strategy)
+    assert list(out.prompt_token_ids) == list(proc(text=prompt, images=images)["input_ids"][0])
+
+    (cap,) = attn_otel.open_trace(vis_trace, store=store)
+    mask = cap.vision_mask
+    N = cap.prompt_len
+    assert mask is not None and np.array_equal(mask[:N], expected)
+    maps = cap.maps().astype(np.float64)
+    stored = cap.metrics
+    for li in range(len(cap.layers)):
+        ref = per_row_metrics(maps[li], N, sink_tokens=4, vision=mask[: cap.num_tokens])
+        for name in ("vision_share", "vision_share_norm"):
+            got, want = stored[name][li], ref[name]
+            assert np.array_equal(np.isnan(got), np.isnan(want))
+            ok = ~np.isnan(want)
+            assert ok.sum() > 0 and np.abs(got[ok] - want[ok]).max() <= 2e-3, name
+    summary = cap.summary()
+    assert summary["prompt"]["vision_share"]["mean"] is not None
+
+    (txt,) = attn_otel.open_trace(txt_trace, store=store)
+    assert "vision_share" not in txt.metrics and txt.vision_mask is None
+    from attn_otel.metrics import to_json
+
+    js = to_json(txt)
+    assert js["prompt"]["vision_share"] is None and js["generated"]["vision_share_norm"] is None
+    if os.environ.get("OUT"):
+        import json
+
+        with open(os.path.join(os.environ["OUT"], "gpu_vision.json"), "w") as f:
+            json.dump({"image_tokens": int(expected.sum()), "vision_share_prompt_layer_mean":
+                       summary["prompt"]["vision_share"].get("layer_mean")}, f, default=str)
