@@ -15,6 +15,7 @@ including the CPU backend's ISA-specific packing; see the README for what that c
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -25,7 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .attention import METRICS, attention_metrics
+from .attention import METRICS, ROWS, attention_metrics
 from .config import Config, RequestOptions
 from .ids import maps_sampled, new_span_id, new_trace_id, parse_traceparent
 from .store import CaptureRecord, open_zarr_store, write_capture
@@ -33,6 +34,7 @@ from .store import CaptureRecord, open_zarr_store, write_capture
 logger = logging.getLogger("attn_otel")
 
 EXIT_DRAIN_S = 30.0
+BAND_BYTES = 64 << 20  # float32 logits of one band of query rows, all heads (GPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,10 @@ class QKTap:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.q.values(), *self.k.values()))
+
+    @property
+    def itemsize(self) -> int:
+        return next(iter(self.q.values())).element_size()
 
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
@@ -147,7 +153,12 @@ class Stats:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.skipped: collections.Counter[str] = collections.Counter()
         self.bytes_written = 0
+        # seconds, per capture: request finish -> metrics on the host, ready for the exporters
         self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)
+        # seconds, per capture: request finish -> stored
+        self.write_latencies: collections.deque[float] = collections.deque(maxlen=10_000)
+        # seconds the engine loop spent in a capture (enqueueing device work; no I/O, no sync)
+        self.loop_times: collections.deque[float] = collections.deque(maxlen=10_000)
 
     def add(self, field: str, n: int = 1, reason: str | None = None) -> None:
         with self._lock:
@@ -156,11 +167,17 @@ class Stats:
             else:
                 getattr(self, field)[reason] += n
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, percentiles: bool = False) -> dict[str, Any]:
         with self._lock:
-            return {"captured": self.captured, "stored": self.stored, "maps_stored": self.maps_stored,
-                    "dropped": dict(self.dropped), "skipped": dict(self.skipped),
-                    "bytes_written": self.bytes_written}
+            snap: dict[str, Any] = {"captured": self.captured, "stored": self.stored,
+                                    "maps_stored": self.maps_stored, "dropped": dict(self.dropped),
+                                    "skipped": dict(self.skipped), "bytes_written": self.bytes_written}
+            if percentiles:
+                for name in ("latencies", "write_latencies", "loop_times"):
+                    vals = np.asarray(getattr(self, name), dtype=np.float64)
+                    snap[name] = ({q: float(np.quantile(vals, float(q[1:]) / 100)) for q in ("p50", "p90", "p99")}
+                                  | {"n": int(vals.size), "max": float(vals.max())}) if vals.size else {"n": 0}
+            return snap
 
 
 @dataclasses.dataclass
@@ -189,6 +206,21 @@ def _at_exit(fn: Callable[[], None]) -> None:
     import atexit
 
     atexit.register(fn)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A finished request's gathered Q/K, waiting for the compute thread."""
+
+    record: CaptureRecord
+    layers: list[LayerSpec]
+    qk: list[tuple[torch.Tensor, torch.Tensor]]
+    tokens_dev: torch.Tensor | None
+    ready: Any  # torch.cuda.Event on the engine's stream after the gathers, or None
+    want_maps: bool
+    nbytes: int  # host bytes reserved in the hand-off
+    gathered: int  # device bytes held by qk
+    t_finish: float = 0.0
 
 
 class Handoff:
@@ -268,6 +300,15 @@ class CaptureEngine:
         self._warned: set[str] = set()
         self._store = None
         self.handoff = Handoff(config, self.stats, self._write)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._device_lock = threading.Lock()
+        self._device_bytes = 0
+        self._device_idle = threading.Event()
+        self._device_idle.set()
+        self._compute_q: queue.Queue[_Pending] = queue.Queue()
+        self._compute_thread = threading.Thread(target=self._compute_loop, name="attn-otel-compute", daemon=True)
+        self._compute_thread.start()
+        _at_exit(lambda: self.flush(EXIT_DRAIN_S))  # runs before the hand-off's own drain
 
     # ----------------------------------------------------------------- engine-loop side (no I/O here)
     def warn_once(self, key: str, msg: str, *args: Any, exc: bool = False) -> None:
@@ -323,14 +364,23 @@ class CaptureEngine:
                 self.warn_once("queue_full", "hand-off queue full (%d bytes, ATTN_OTEL_QUEUE_BYTES); dropping "
                                "captures and counting them", self.config.queue_bytes)
                 return
+        gathered = sum(T * (s.num_heads + s.num_kv_heads) * s.head_dim for s in layers) * self.tap.itemsize
+        if not self._device_reserve(gathered):
+            self.handoff.release(nbytes)
+            self.stats.add("dropped", reason="device_queue_full")
+            self.warn_once("device_full", "finish-time work waiting on the device exceeds %d bytes "
+                           "(ATTN_OTEL_DEVICE_QUEUE_BYTES); dropping captures and counting them",
+                           self.config.device_queue_bytes)
+            return
         try:
-            job = self._compute(req, layers, T, want_maps, nbytes, trace_id, parent, opts)
+            pending = self._gather(req, layers, T, want_maps, nbytes, gathered, trace_id, parent)
         except BaseException:
             self.handoff.release(nbytes)
+            self._device_release(gathered)
             raise
-        job.t_finish = t0
-        self.stats.add("captured")
-        self.handoff.put(job)
+        pending.t_finish = t0
+        self._compute_q.put_nowait(pending)
+        self.stats.loop_times.append(time.perf_counter() - t0)
 
     def _options(self, req: FinishedRequest) -> RequestOptions:
         from .config import parse_request_options
@@ -350,62 +400,122 @@ class CaptureEngine:
             t = t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _compute(self, req, layers, T, want_maps, nbytes, trace_id, parent, opts) -> _Job:
-        L, H = len(layers), max(s.num_heads for s in layers)
+    def _gather(self, req, layers, T, want_maps, nbytes, gathered, trace_id, parent) -> "_Pending":
+        """Engine loop: copy the request's Q/K out of the tap before its blocks can be reused.  Only
+        device copies are enqueued here (on the engine's stream); the math runs on the compute thread."""
         cuda = self.device.type == "cuda"
-        host = dict(pin_memory=True) if cuda else {}
-        per_row_host = torch.full((len(METRICS), L, H, T), float("nan"), dtype=torch.float32, **host)
-        maps_host = torch.zeros((L, H, T, T), dtype=torch.float16, **host) if want_maps else None
-        vision = vision_np = None
+        vision_np = None
         if req.vision_positions is not None and np.any(req.vision_positions[:T]):
             vision_np = np.zeros(T, dtype=bool)  # the mask ends with the last image; pad it to T
             n = min(T, len(req.vision_positions))
             vision_np[:n] = np.asarray(req.vision_positions[:n], dtype=bool)
-            vision = torch.from_numpy(vision_np).to(self.device)
-        N = min(len(req.prompt_token_ids), T)
         slots_by_group: dict[int, torch.Tensor] = {}
-        for li, spec in enumerate(layers):
+        qk = []
+        for spec in layers:
             if spec.group not in slots_by_group:
                 slots_by_group[spec.group] = self._slots(req, spec.group, T)
-            q, k = self.tap.gather(spec.index, slots_by_group[spec.group])
-            maps_dev = None
-            if want_maps:
-                maps_dev = maps_host[li, : spec.num_heads] if not cuda else torch.empty(
-                    (spec.num_heads, T, T), dtype=torch.float16, device=self.device)
-            per_row = attention_metrics(q, k, spec.scale, N, self.config.sink_tokens, vision, maps_out=maps_dev)
-            per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
-            if want_maps and cuda:
-                maps_host[li, : spec.num_heads].copy_(maps_dev, non_blocking=True)
+            qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
         tokens = None
-        tokens_host = None
+        tokens_dev = None
         if self.config.store_tokens:
             if req.output_token_ids is not None:
                 ids = list(req.prompt_token_ids) + list(req.output_token_ids)
                 ids += [-1] * (T - len(ids))  # unknown to this worker (documented in the README)
                 tokens = np.asarray(ids[:T], dtype=np.int32)
             elif req.token_ids_device is not None:
-                tokens_host = torch.empty((T,), dtype=req.token_ids_device.dtype, **host)
-                tokens_host.copy_(req.token_ids_device[:T], non_blocking=cuda)
-        span_id = new_span_id()
+                tokens_dev = req.token_ids_device[:T].clone()
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        N = min(len(req.prompt_token_ids), T)
+        H = max(s.num_heads for s in layers)
         record = CaptureRecord(
-            trace_id=trace_id, request_id=req.request_id, span_id=span_id, parent_span_id=parent,
+            trace_id=trace_id, request_id=req.request_id, span_id=new_span_id(), parent_span_id=parent,
             prompt_len=N, num_tokens=T, layers=tuple(s.index for s in layers), num_heads=H,
             model=self.model, engine_version=self.engine_version, mode="maps" if want_maps else "metrics",
-            token_ids=tokens,
-            vision_mask=vision_np,
-            attrs={**self.attrs, "vision": vision is not None, "sink_tokens": self.config.sink_tokens},
+            token_ids=tokens, vision_mask=vision_np,
+            attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens},
         )
-        event = None
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return _Job(record, per_row_host, maps_host, event, nbytes, 0.0, tokens_host)
+        return _Pending(record, layers, qk, tokens_dev, ready, want_maps, nbytes, gathered)
+
+    # ----------------------------------------------------------------- compute-thread side
+    def _compute_loop(self) -> None:
+        while True:
+            pending = self._compute_q.get()
+            try:
+                job = self._compute(pending)
+                job.t_finish = pending.t_finish
+                self.handoff.put(job)
+                self.stats.add("captured")
+            except Exception as e:  # noqa: BLE001
+                self.handoff.release(pending.nbytes)
+                self.stats.add("dropped", reason="capture_error")
+                self.warn_once(f"err:{type(e).__name__}", "capture of request %s failed; dropped and counted "
+                               "(logged once per error type)", pending.record.request_id, exc=True)
+            finally:
+                pending.qk = []
+                self._device_release(pending.gathered)
+
+    def _compute(self, p: "_Pending") -> _Job:
+        rec, layers, T = p.record, p.layers, p.record.num_tokens
+        L, H = len(layers), rec.num_heads
+        cuda = self.device.type == "cuda"
+        host = dict(pin_memory=True) if cuda else {}
+        per_row_host = torch.full((len(METRICS), L, H, T), float("nan"), dtype=torch.float32, **host)
+        maps_host = torch.zeros((L, H, T, T), dtype=torch.float16, **host) if p.want_maps else None
+        tokens_host = None
+        ctx = torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext()
+        with ctx:
+            if cuda:
+                self._stream.wait_event(p.ready)  # the gathers on the engine's stream are done
+            vision = torch.from_numpy(rec.vision_mask).to(self.device) if rec.vision_mask is not None else None
+            for li, (spec, (q, k)) in enumerate(zip(layers, p.qk)):
+                maps_dev = None
+                if p.want_maps:
+                    maps_dev = maps_host[li, : spec.num_heads] if not cuda else torch.empty(
+                        (spec.num_heads, T, T), dtype=torch.float16, device=self.device)
+                per_row = attention_metrics(q, k, spec.scale, rec.prompt_len, self.config.sink_tokens, vision,
+                                            maps_out=maps_dev, rows=self._rows(spec.num_heads, T))
+                per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
+                if p.want_maps and cuda:
+                    maps_host[li, : spec.num_heads].copy_(maps_dev, non_blocking=True)
+            if p.tokens_dev is not None:
+                tokens_host = torch.empty((T,), dtype=p.tokens_dev.dtype, **host)
+                tokens_host.copy_(p.tokens_dev, non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+        return _Job(rec, per_row_host, maps_host, event, p.nbytes, 0.0, tokens_host)
+
+    def _rows(self, heads: int, T: int) -> int:
+        """Query rows per band: on a GPU as many as fit BAND_BYTES (fewer kernel launches); memory stays
+        linear in T either way (at least ROWS rows, at most BAND_BYTES or ROWS * heads * T * 4 bytes)."""
+        if self.device.type != "cuda":
+            return ROWS
+        return max(ROWS, min(T, BAND_BYTES // max(1, heads * T * 4)))
+
+    def _device_reserve(self, n: int) -> bool:
+        with self._device_lock:
+            if self._device_bytes + n > self.config.device_queue_bytes and self._device_bytes > 0:
+                return False
+            self._device_bytes += n
+            self._device_idle.clear()
+            return True
+
+    def _device_release(self, n: int) -> None:
+        with self._device_lock:
+            self._device_bytes -= n
+            if self._device_bytes <= 0:
+                self._device_idle.set()
 
     # ----------------------------------------------------------------- writer-thread side
     def _write(self, job: _Job) -> None:
         try:
             if job.event is not None:
                 job.event.synchronize()
+            self.stats.latencies.append(time.perf_counter() - job.t_finish)
             rec = job.record
             if job.token_ids is not None:
                 rec.token_ids = job.token_ids.numpy().astype(np.int32)
@@ -420,16 +530,44 @@ class CaptureEngine:
             if rec.maps is not None:
                 self.stats.add("maps_stored")
             self.stats.add("bytes_written", n)
-            self.stats.latencies.append(time.perf_counter() - job.t_finish)
+            self.stats.write_latencies.append(time.perf_counter() - job.t_finish)
         except Exception as e:  # noqa: BLE001
             self.stats.add("dropped", reason="store_error")
             self.warn_once(f"store:{type(e).__name__}", "writing capture of request %s to %s failed: %s "
                            "(dropped and counted; logged once per error type)", job.record.request_id,
                            self.config.store, e)
+        finally:
+            self._dump_stats()
+
+    def _dump_stats(self, force: bool = False) -> None:
+        if not self.config.stats_dir:
+            return
+        now = time.monotonic()
+        if not force and now - getattr(self, "_last_dump", 0.0) < 1.0:
+            return
+        self._last_dump = now
+        try:
+            import json
+            import os
+
+            os.makedirs(self.config.stats_dir, exist_ok=True)
+            path = os.path.join(self.config.stats_dir, f"attn-otel-stats-{os.getpid()}.json")
+            snap = self.stats.snapshot(percentiles=True)
+            snap.update(tap_bytes=self.tap.nbytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
+                        tap_bytes_per_token=QKTap.bytes_per_token(self.layers, next(iter(self.tap.q.values())).dtype))
+            with open(path + ".tmp", "w") as f:
+                json.dump(snap, f)
+            os.replace(path + ".tmp", path)
+        except Exception as e:  # noqa: BLE001
+            self.warn_once("stats", "could not write stats to %s: %s", self.config.stats_dir, e)
 
     def flush(self, timeout: float | None = 60.0) -> bool:
         """Wait until every handed-off capture is written (or dropped).  For tests and shutdown."""
-        return self.handoff.flush(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = self._device_idle.wait(timeout)
+        done = done and self.handoff.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self._dump_stats(force=True)
+        return done
 
     def close(self) -> None:
         self.flush(EXIT_DRAIN_S)

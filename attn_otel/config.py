@@ -38,12 +38,22 @@ ATTN_OTEL_QUEUE_BYTES = "ATTN_OTEL_QUEUE_BYTES"
 """Bound, in bytes, on captures waiting for the writer.  A capture that would exceed it is dropped and
 counted (``queue_full``): the engine never waits for storage.  Default 1 GiB."""
 
+ATTN_OTEL_DEVICE_QUEUE_BYTES = "ATTN_OTEL_DEVICE_QUEUE_BYTES"
+"""Bound, in bytes, on finished requests' Q/K copies waiting on the device for the compute thread (the
+engine loop only copies them out of the tap; the math runs beside it).  Beyond it captures are dropped and
+counted (``device_queue_full``).  Default 2 GiB."""
+
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """``1`` (default) stores the request's token ids with its capture (``attn-otel show`` labels axes with
 them); ``0`` stores none.  Token ids never leave the store."""
 
 ATTN_OTEL_SINK_TOKENS = "ATTN_OTEL_SINK_TOKENS"
 """k for the sink-mass metric: attention on the first k tokens (StreamingLLM).  Default 4."""
+
+ATTN_OTEL_STATS_DIR = "ATTN_OTEL_STATS_DIR"
+"""If set, each engine process writes its capture counters and latency percentiles there as
+``attn-otel-stats-{pid}.json``, at most once a second and at exit (for benchmarks and exporters that live
+in another process).  Default: unset, nothing written."""
 
 AUTO_LAYERS = 4
 MODES = ("off", "metrics", "maps")
@@ -112,8 +122,10 @@ class Config:
     maps_sample: float = 0.01
     max_map_tokens: int = 8192
     queue_bytes: int = 1 << 30
+    device_queue_bytes: int = 2 << 30
     store_tokens: bool = True
     sink_tokens: int = 4
+    stats_dir: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "Config":
@@ -131,6 +143,8 @@ class Config:
         values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
         values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)
         values["queue_bytes"] = _number(env, ATTN_OTEL_QUEUE_BYTES, d.queue_bytes, int, 1, None)
+        values["device_queue_bytes"] = _number(env, ATTN_OTEL_DEVICE_QUEUE_BYTES, d.device_queue_bytes, int, 1,
+                                               None)
         values["sink_tokens"] = _number(env, ATTN_OTEL_SINK_TOKENS, d.sink_tokens, int, 1, None)
         raw = env.get(ATTN_OTEL_STORE_TOKENS)
         if raw is not None:
@@ -140,6 +154,7 @@ class Config:
                 values["store_tokens"] = False
             else:
                 _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1", d.store_tokens)
+        values["stats_dir"] = env.get(ATTN_OTEL_STATS_DIR, "").strip() or None
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 

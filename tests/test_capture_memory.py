@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent("""
         f.write("5")  # resets the peak resident set (VmHWM) to the current one
     base = kib("VmRSS:")
     eng._capture(req)
+    eng.flush(60)  # the math runs on the compute thread
     peak = kib("VmHWM:")
     eng.flush(60)
     print(json.dumps({"T": T, "extra_kib": peak - base, "stored": eng.stats.snapshot()["stored"] - 1}))

@@ -1,8 +1,8 @@
-"""Vision share end to end on a real multimodal architecture served by vLLM (GPU: vLLM's LLaVA code needs
-torchvision, which has no CPU build here).
+"""Vision share end to end on a real multimodal architecture served by vLLM (GPU: vLLM's multimodal code
+needs torchvision, which has no CPU build here).
 
-A LLaVA-1.5-shaped model (CLIP vision tower + Llama) with random weights is built from a config, with a
-word-level tokenizer made in code, so nothing is downloaded.  Checks: the image-embedding positions
+A Qwen2-VL-shaped model with random weights is built from a config, with a word-level tokenizer made in
+code, so nothing is downloaded.  Checks: the image-embedding positions
 attn-otel stored are exactly where the model's own processor put image tokens; vision share (raw and
 normalised) equals NumPy on the stored maps; a text-only request has no vision metrics at all.
 """
@@ -19,63 +19,78 @@ from attn_otel.ids import new_span_id, new_trace_id
 pytestmark = pytest.mark.gpu
 
 
+SPECIALS = ["<unk>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = sorted({w.strip(".,").lower() for s in SENTENCES for w in s.split()} | {"describe", "and", "the",
-                                                                                      "image", "compare"})
-    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "<image>"] + words)}
+    words = sorted({w.strip(".,").lower() for s in SENTENCES for w in s.split()} | {"describe", "compare", "image"})
+    vocab = {t: i for i, t in enumerate(SPECIALS + words)}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   additional_special_tokens=["<image>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", additional_special_tokens=SPECIALS[2:])
 
 
 @pytest.fixture(scope="module")
-def llava(tmp_path_factory):
+def vlm(tmp_path_factory):
+    """A Qwen2-VL-shaped model (ViT with 2x2 patch merging + Qwen2 text model with M-RoPE)."""
     import torch
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessor
 
     tok = _tokenizer()
-    image_id = tok.convert_tokens_to_ids("<image>")
-    vc = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                          image_size=56, patch_size=14, projection_dim=64)
-    tc = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=64, vocab_size=len(tok), max_position_embeddings=2048,
-                     bos_token_id=1, eos_token_id=2)
-    cfg = LlavaConfig(vision_config=vc, text_config=tc, image_token_index=image_id,
-                      vision_feature_select_strategy="default", vision_feature_layer=-2)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    cfg = Qwen2VLConfig(
+        text_config=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=4096,
+                         rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]}),
+        vision_config=dict(depth=2, embed_dim=64, num_heads=2, hidden_size=256, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_chans=3, mlp_ratio=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llava")
-    LlavaForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(path)
-    proc = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 56},
-                                                             crop_size={"height": 56, "width": 56}),
-                          tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
-                          image_token="<image>", num_additional_image_tokens=1,
-                          chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    path = tmp_path_factory.mktemp("qwen2vl")
+    model = Qwen2VLForConditionalGeneration(cfg)
+    with torch.no_grad():  # sharper attention than the default init, so shares differ between tokens
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(3.0)
+    model.to(torch.bfloat16).save_pretrained(path)
+    kwargs = {}
+    try:
+        from transformers.models.qwen2_vl import Qwen2VLVideoProcessor
+
+        kwargs["video_processor"] = Qwen2VLVideoProcessor()
+    except ImportError:
+        pass
+    proc = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=112 * 112, max_pixels=112 * 112),
+                            tokenizer=tok, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                            **kwargs)
     proc.save_pretrained(path)
-    return str(path), proc, image_id
+    return str(path), proc, ids["<|image_pad|>"]
 
 
 def _images(n):
     from PIL import Image
 
     rng = np.random.default_rng(1)
-    return [Image.fromarray((rng.random((64, 64, 3)) * 255).astype("uint8")) for _ in range(n)]
+    return [Image.fromarray((rng.random((112, 112, 3)) * 255).astype("uint8")) for _ in range(n)]
 
 
-def test_vision_share_end_to_end_on_llava(llava, tmp_path):
+def test_vision_share_end_to_end_on_qwen2_vl(vlm, tmp_path):
     import attn_otel
     from vllm import LLM, SamplingParams
 
-    path, proc, image_id = llava
+    path, proc, image_id = vlm
     store = tmp_path / "store"
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     llm = LLM(model=path, max_model_len=1024, limit_mm_per_prompt={"image": 2}, gpu_memory_utilization=0.3)
-    prompt = "compare the <image> and the <image> describe the old lighthouse keeper and the ships"
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+    prompt = f"compare the {image} and the {image} describe the old lighthouse keeper and the ships"
     images = _images(2)
     vis_trace, txt_trace = new_trace_id(), new_trace_id()
 
@@ -92,9 +107,10 @@ def test_vision_share_end_to_end_on_llava(llava, tmp_path):
     assert engine.flush(120)
 
     # The model's own processor, on the same prompt and images, decides where image embeddings go.
-    expected = np.asarray(proc(text=prompt, images=images)["input_ids"][0]) == image_id
-    assert expected.sum() == 32  # 2 images x (56/14)^2 patches, CLS dropped ("default" strategy)
-    assert list(out.prompt_token_ids) == list(proc(text=prompt, images=images)["input_ids"][0])
+    hf_ids = [int(x) for x in proc(text=prompt, images=images)["input_ids"][0]]
+    expected = np.asarray(hf_ids) == image_id
+    assert expected.sum() == 32  # 2 images x (112/14)^2 patches merged 2x2
+    assert list(out.prompt_token_ids) == hf_ids
 
     (cap,) = attn_otel.open_trace(vis_trace, store=store)
     mask = cap.vision_mask

@@ -1,0 +1,198 @@
+"""Capture overhead on production-sized vLLM: throughput and latency ratios to capture off.
+
+Runs on the GPU machine (vLLM 0.26 from ../shared/tools/gpu-vllm), one engine per configuration, each in
+vLLM's default serving config (CUDA graphs, chunked prefill, prefix caching, multiprocess engine core):
+
+  off              ATTN_OTEL unset
+  auto             ATTN_OTEL=1, default layers: "metrics_default_layers" (every request, metrics) and
+                   "maps_1pct" (the same engine, 1% of requests ask for maps)
+  all              ATTN_OTEL=1 ATTN_OTEL_LAYERS=all: "metrics_all_layers"
+  eager            capture off, enforce_eager, no chunked prefill, no prefix caching: what earlier
+                   attention-capture patches required ("eager_reference")
+
+The model is Llama-3-8B-shaped with dummy weights (hidden 4096, 32 layers, 32/8 heads, head_dim 128).
+Workloads: 256 x (512 prompt + 256 output) and 32 x (8k prompt + 128 output), random token ids,
+ignore_eos.  Each workload runs once to warm up, then ``--repeats`` times; the median counts.
+
+    python3 bench/overhead.py --phase off --phase auto --phase all --phase eager --out DIR
+    python3 bench/overhead.py --report DIR            # merges phase files into the JSON/Markdown/PNG
+
+Phases can run in separate calls (results go to DIR/phase-*.json) and are merged by ``--report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 16384, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
+    "bos_token_id": 128000, "eos_token_id": 128001,
+}
+WORKLOADS = {"512+256": (256, 512, 256), "8k+128": (32, 8192, 128)}
+
+
+def _model_dir() -> str:
+    d = Path(tempfile.gettempdir()) / "attn-otel-bench-llama3-8b"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return str(d)
+
+
+def _prompts(n: int, length: int, seed: int):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(1000, 120000, length).tolist()} for _ in range(n)]
+
+
+def _run_workload(llm, name: str, maps_fraction: float, seed: int):
+    import numpy as np
+    from vllm import SamplingParams
+
+    n, plen, olen = WORKLOADS[name]
+    prompts = _prompts(n, plen, seed)
+    params = []
+    every = int(round(1 / maps_fraction)) if maps_fraction else 0
+    for i in range(n):
+        extra = {"attn_otel": "maps"} if every and i % every == 0 else None
+        params.append(SamplingParams(max_tokens=olen, ignore_eos=True, temperature=0.0, extra_args=extra))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = [o.metrics.first_token_latency for o in outs if o.metrics is not None]
+    itl = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / max(1, o.metrics.num_generation_tokens - 1)
+           for o in outs if o.metrics is not None]
+
+    def pct(v, q):
+        return float(np.quantile(v, q)) if v else None
+
+    return {"output_tokens_per_s": out_tokens / wall, "wall_s": wall, "requests": n,
+            "maps_requests": sum(1 for p in params if p.extra_args),
+            "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
+            "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99)}
+
+
+def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict:
+    stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-{phase}-"))
+    store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
+    env = {"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), "ATTN_OTEL_MAPS_SAMPLE": "0"}
+    for k in ("ATTN_OTEL", "ATTN_OTEL_LAYERS"):
+        os.environ.pop(k, None)
+    kwargs = dict(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
+                  gpu_memory_utilization=0.9, seed=0, disable_log_stats=False)
+    if phase in ("auto", "all"):
+        env["ATTN_OTEL"] = "1"
+        env["ATTN_OTEL_LAYERS"] = phase
+    if phase == "eager":
+        kwargs.update(enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False)
+    os.environ.update(env)
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    start_s = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    result = {"phase": phase, "engine_start_s": start_s, "kv_cache_blocks": cache.num_gpu_blocks,
+              "block_size": cache.block_size,
+              "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {}}
+    variants = [("metrics", 0.0)] + ([("maps_1pct", 0.01)] if phase == "auto" else [])
+    for wl in workloads:
+        for label, frac in variants:
+            _run_workload(llm, wl, frac, seed=99)  # warm-up (prefix cache stays cold: other seeds below)
+            runs = [_run_workload(llm, wl, frac, seed=s) for s in range(repeats)]
+            best = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
+            result["runs"][f"{wl}/{label}"] = best | {"all_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+            print(f"[{phase}] {wl} {label}: {best['output_tokens_per_s']:.0f} tok/s "
+                  f"(runs {[round(r['output_tokens_per_s']) for r in runs]})", flush=True)
+    del llm
+    gc.collect()
+    time.sleep(5)  # the engine core process writes its last stats at exit
+    files = sorted(stats_dir.glob("attn-otel-stats-*.json"))
+    if files:
+        result["capture"] = json.loads(files[-1].read_text())
+    (out / f"phase-{phase}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def report(out: Path) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+    import vllm
+
+    phases = {p["phase"]: p for p in (json.loads(f.read_text()) for f in sorted(out.glob("phase-*.json")))}
+    off = phases["off"]
+
+    def ratio(phase, key):
+        a = phases.get(phase, {}).get("runs", {}).get(key)
+        b = off["runs"].get(key.split("/")[0] + "/metrics")
+        return a["output_tokens_per_s"] / b["output_tokens_per_s"] if a and b else None
+
+    table = {}
+    for wl in WORKLOADS:
+        table[wl] = {"metrics_default_layers": ratio("auto", f"{wl}/metrics"),
+                     "metrics_all_layers": ratio("all", f"{wl}/metrics"),
+                     "maps_1pct": ratio("auto", f"{wl}/maps_1pct"),
+                     "eager_reference": ratio("eager", f"{wl}/metrics")}
+    doc = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown",
+        "vllm_version": vllm.__version__,
+        "date": datetime.date.today().isoformat(),
+        "model": "Llama-3-8B-shaped, load_format=dummy, bf16",
+        "ratios": table["512+256"],
+        "ratios_8k": table["8k+128"],
+        "phases": phases,
+    }
+    (out / "overhead.json").write_text(json.dumps(doc, indent=1))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["metrics_default_layers", "metrics_all_layers", "maps_1pct", "eager_reference"]
+    for ax, wl in zip(axes, WORKLOADS):
+        vals = [table[wl][n] or 0 for n in names]
+        bars = ax.bar(range(len(names)), vals, color=["#4c72b0", "#dd8452", "#55a868", "#8c8c8c"])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(names)), ["metrics\ndefault layers", "metrics\nall layers", "maps 1%",
+                                          "eager, no chunked\nprefill/prefix cache"], fontsize=8)
+        ax.set_ylim(0, 1.15)
+        ax.set_title(f"{wl}: output throughput / capture off")
+        for b, v in zip(bars, vals):
+            ax.text(b.get_x() + b.get_width() / 2, v + 0.02, f"{v:.3f}", ha="center", fontsize=8)
+    fig.suptitle(f"attn-otel overhead, {doc['device']}, vLLM {doc['vllm_version']}, Llama-3-8B shape")
+    fig.tight_layout()
+    fig.savefig(out / "overhead.png", dpi=120)
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phase", action="append", choices=["off", "auto", "all", "eager"], default=[])
+    ap.add_argument("--workload", action="append", choices=list(WORKLOADS), default=[])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    ap.add_argument("--report", action="store_true", help="merge the phase files in --out")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for phase in args.phase:
+        run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS))
+    if args.report:
+        doc = report(args.out)
+        print(json.dumps({"ratios": doc["ratios"], "ratios_8k": doc["ratios_8k"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
