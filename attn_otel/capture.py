@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from . import triton_metrics
 from .attention import METRICS, ROWS, attention_metrics
 from .config import Config, RequestOptions
 from .ids import maps_sampled, new_span_id, new_trace_id, parse_traceparent
@@ -470,7 +471,13 @@ class CaptureEngine:
             if cuda:
                 self._stream.wait_event(p.ready)  # the gathers on the engine's stream are done
             vision = torch.from_numpy(rec.vision_mask).to(self.device) if rec.vision_mask is not None else None
+            fused = cuda and not p.want_maps and triton_metrics.available(self.device)
             for li, (spec, (q, k)) in enumerate(zip(layers, p.qk)):
+                if fused:  # one launch per layer instead of a band loop (see docs/benchmarks/overhead.md)
+                    res = triton_metrics.row_metrics(q[None], k[None], spec.scale, rec.prompt_len,
+                                                     self.config.sink_tokens, vision)
+                    per_row_host[:, li, : spec.num_heads].copy_(res[0], non_blocking=True)
+                    continue
                 maps_dev = None
                 if p.want_maps:
                     maps_dev = maps_host[li, : spec.num_heads] if not cuda else torch.empty(

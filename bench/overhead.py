@@ -105,7 +105,14 @@ def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - t0
     cache = llm.llm_engine.vllm_config.cache_config
-    result = {"phase": phase, "engine_start_s": start_s, "kv_cache_blocks": cache.num_gpu_blocks,
+    import subprocess
+
+    import torch
+    import vllm
+
+    gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+    result = {"phase": phase, "device": torch.cuda.get_device_name(0), "gpu": gpu, "vllm_version": vllm.__version__,
+              "engine_start_s": start_s, "kv_cache_blocks": cache.num_gpu_blocks,
               "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {}}
     variants = [("metrics", 0.0)] + ([("maps_1pct", 0.01)] if phase == "auto" else [])
@@ -127,13 +134,11 @@ def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict
     return result
 
 
-def report(out: Path) -> dict:
+def report(out: Path, device: str | None = None, vllm_version: str | None = None) -> dict:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import torch
-    import vllm
 
     phases = {p["phase"]: p for p in (json.loads(f.read_text()) for f in sorted(out.glob("phase-*.json")))}
     off = phases["off"]
@@ -150,10 +155,12 @@ def report(out: Path) -> dict:
                      "maps_1pct": ratio("auto", f"{wl}/maps_1pct"),
                      "eager_reference": ratio("eager", f"{wl}/metrics")}
     doc = {
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown",
-        "vllm_version": vllm.__version__,
+        "device": off.get("device", device),
+        "vllm_version": off.get("vllm_version", vllm_version),
         "date": datetime.date.today().isoformat(),
         "model": "Llama-3-8B-shaped, load_format=dummy, bf16",
+        "command": "python3 bench/overhead.py --phase off --phase auto --phase all --phase eager --out DIR "
+                   "&& python3 bench/overhead.py --report --out DIR",
         "ratios": table["512+256"],
         "ratios_8k": table["8k+128"],
         "phases": phases,
@@ -162,15 +169,16 @@ def report(out: Path) -> dict:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     names = ["metrics_default_layers", "metrics_all_layers", "maps_1pct", "eager_reference"]
     for ax, wl in zip(axes, WORKLOADS):
-        vals = [table[wl][n] or 0 for n in names]
-        bars = ax.bar(range(len(names)), vals, color=["#4c72b0", "#dd8452", "#55a868", "#8c8c8c"])
+        vals = [table[wl][n] for n in names]
+        bars = ax.bar(range(len(names)), [v or 0 for v in vals], color=["#4c72b0", "#dd8452", "#55a868", "#8c8c8c"])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(names)), ["metrics\ndefault layers", "metrics\nall layers", "maps 1%",
                                           "eager, no chunked\nprefill/prefix cache"], fontsize=8)
         ax.set_ylim(0, 1.15)
         ax.set_title(f"{wl}: output throughput / capture off")
         for b, v in zip(bars, vals):
-            ax.text(b.get_x() + b.get_width() / 2, v + 0.02, f"{v:.3f}", ha="center", fontsize=8)
+            ax.text(b.get_x() + b.get_width() / 2, (v or 0) + 0.02, "not run" if v is None else f"{v:.3f}",
+                    ha="center", fontsize=8)
     fig.suptitle(f"attn-otel overhead, {doc['device']}, vLLM {doc['vllm_version']}, Llama-3-8B shape")
     fig.tight_layout()
     fig.savefig(out / "overhead.png", dpi=120)
@@ -184,12 +192,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     ap.add_argument("--report", action="store_true", help="merge the phase files in --out")
+    ap.add_argument("--device", help="device name for phase files that lack it")
+    ap.add_argument("--vllm-version", help="vLLM version for phase files that lack it")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for phase in args.phase:
         run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS))
     if args.report:
-        doc = report(args.out)
+        doc = report(args.out, args.device, args.vllm_version)
         print(json.dumps({"ratios": doc["ratios"], "ratios_8k": doc["ratios_8k"]}, indent=1))
     return 0
 
