@@ -1,0 +1,86 @@
+"""Online: vLLM's OpenAI server (CPU build) with ATTN_OTEL=1, per-request options through ``vllm_xargs``."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+import attn_otel
+from attn_otel.ids import new_span_id, new_trace_id
+
+pytestmark = pytest.mark.engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.status, json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path, tmp_path_factory):
+    store = tmp_path_factory.mktemp("server-store")
+    port = _free_port()
+    env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    log = open(tmp_path_factory.mktemp("server-log") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_path,
+                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                break
+        except OSError:
+            assert proc.poll() is None, open(log.name).read()[-3000:]
+            time.sleep(2)
+    else:
+        pytest.fail("vLLM server did not come up in 600 s")
+    yield port, store, smollm2_path
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+
+
+def _wait_for(trace_id, store, timeout=60):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return attn_otel.open_trace(trace_id, store=store)
+        except attn_otel.TraceNotFound:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def test_vllm_xargs_select_maps_and_layers(server):
+    port, store, model = server
+    trace = new_trace_id()
+    status, body = _post(port, {"model": model, "prompt": "The capital of France is", "max_tokens": 5,
+                                "temperature": 0, "vllm_xargs": {"attn_otel": "maps", "attn_otel_layers": "0,29",
+                                                                 "traceparent": f"00-{trace}-{new_span_id()}-01"}})
+    assert status == 200 and body["choices"][0]["text"]
+    (cap,) = _wait_for(trace, store)
+    assert cap.has_maps and cap.layers == [0, 29]  # of the default (auto) tapped layers 0, 10, 19, 29 and cap.attn.shape[:2] == (2, 9)
+    assert cap.num_tokens == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] - 1
+
+
+def test_bad_vllm_xargs_still_serve(server):
+    port, store, model = server
+    for xargs in ({"attn_otel": "bogus"}, {"attn_otel_layers": "x,y"}, {"attn_otel_layers": [-3]}):
+        status, body = _post(port, {"model": model, "prompt": "Hello", "max_tokens": 3, "vllm_xargs": xargs})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
