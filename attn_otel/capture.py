@@ -300,6 +300,7 @@ class CaptureEngine:
         self.stats = Stats()
         self._warned: set[str] = set()
         self._store = None
+        self._writer_proc = None
         self.handoff = Handoff(config, self.stats, self._write)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._device_lock = threading.Lock()
@@ -526,15 +527,19 @@ class CaptureEngine:
             rec = job.record
             if job.token_ids is not None:
                 rec.token_ids = job.token_ids.numpy().astype(np.int32)
-            per_row = job.per_row.numpy()
-            rec.metrics = {name: per_row[i] for i, name in enumerate(METRICS)
-                           if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")}
-            rec.maps = job.maps.numpy() if job.maps is not None else None
-            if self._store is None:
-                self._store = open_zarr_store(self.config.store)
-            n = write_capture(self._store, rec)
+            names = [name for name in METRICS
+                     if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")]
+            if self.config.writer == "process":
+                n = self._write_in_process(rec, job, names)
+            else:
+                per_row = job.per_row.numpy()
+                rec.metrics = {name: per_row[METRICS.index(name)] for name in names}
+                rec.maps = job.maps.numpy() if job.maps is not None else None
+                if self._store is None:
+                    self._store = open_zarr_store(self.config.store)
+                n = write_capture(self._store, rec)
             self.stats.add("stored")
-            if rec.maps is not None:
+            if job.maps is not None:
                 self.stats.add("maps_stored")
             self.stats.add("bytes_written", n)
             self.stats.write_latencies.append(time.perf_counter() - job.t_finish)
@@ -545,6 +550,70 @@ class CaptureEngine:
                            self.config.store, e)
         finally:
             self._dump_stats()
+
+    def _write_in_process(self, rec: CaptureRecord, job: _Job, names: list[str]) -> int:
+        """Hand the capture to the writer process: arrays through one shared-memory segment, the rest as
+        one JSON line; block this (writer-feeding) thread, not the engine, until it answers."""
+        import json
+        from multiprocessing import shared_memory
+
+        arrays: dict[str, tuple[torch.Tensor | np.ndarray, str]] = {"per_row": (job.per_row, "float32")}
+        if job.maps is not None:
+            arrays["maps"] = (job.maps, "float16")
+        if rec.token_ids is not None:
+            arrays["token_ids"] = (np.asarray(rec.token_ids, dtype=np.int32), "int32")
+        if rec.vision_mask is not None:
+            arrays["vision_mask"] = (np.asarray(rec.vision_mask, dtype=bool), "bool")
+        layout, offset = {}, 0
+        for name, (a, dtype) in arrays.items():
+            nbytes = int(np.prod(a.shape)) * np.dtype(dtype).itemsize
+            layout[name] = [offset, list(a.shape), dtype]
+            offset += (nbytes + 63) // 64 * 64
+        shm = shared_memory.SharedMemory(create=True, size=max(offset, 64))
+        try:
+            for name, (a, dtype) in arrays.items():
+                off, shape, _ = layout[name]
+                view = np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=shm.buf, offset=off)
+                if isinstance(a, torch.Tensor):
+                    torch.from_numpy(view).copy_(a)  # torch releases the GIL for the copy
+                else:
+                    view[...] = a
+                del view
+            meta = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)
+                    if f.name not in ("token_ids", "maps", "metrics", "vision_mask")}
+            meta["layers"] = [int(x) for x in meta["layers"]]
+            msg = {"id": id(job), "shm": shm.name, "record": meta, "arrays": layout, "metrics": names}
+            reply = self._writer_call(json.dumps(msg))
+        finally:
+            shm.close()
+            shm.unlink()
+        if not reply.get("ok"):
+            raise RuntimeError(f"writer process: {reply.get('error')}")
+        return int(reply.get("bytes", 0))
+
+    def _writer_call(self, line: str) -> dict:
+        import json
+        import subprocess
+        import sys
+
+        for attempt in (0, 1):  # a writer that died is restarted once per capture
+            proc = self._writer_proc
+            if proc is None or proc.poll() is not None:
+                if proc is not None:
+                    self.warn_once("writer-died", "the writer process exited (%s); restarting it", proc.returncode)
+                proc = self._writer_proc = subprocess.Popen(
+                    [sys.executable, "-m", "attn_otel.writer_proc", self.config.store],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            try:
+                proc.stdin.write(line + "\n")
+                proc.stdin.flush()
+                answer = proc.stdout.readline()
+                if answer:
+                    return json.loads(answer)
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+            proc.kill()
+        raise RuntimeError("the writer process does not answer")
 
     def _dump_stats(self, force: bool = False) -> None:
         if not self.config.stats_dir:

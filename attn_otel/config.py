@@ -43,6 +43,11 @@ ATTN_OTEL_DEVICE_QUEUE_BYTES = "ATTN_OTEL_DEVICE_QUEUE_BYTES"
 engine loop only copies them out of the tap; the math runs beside it).  Beyond it captures are dropped and
 counted (``device_queue_full``).  Default 2 GiB."""
 
+ATTN_OTEL_WRITER = "ATTN_OTEL_WRITER"
+"""``process`` (default): captures are written by a child process (arrays through shared memory, metadata
+as JSON), so storage work never competes with the engine loop for the GIL.  ``thread``: written by a
+thread of the engine process."""
+
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """``1`` (default) stores the request's token ids with its capture (``attn-otel show`` labels axes with
 them); ``0`` stores none.  Token ids never leave the store."""
@@ -126,6 +131,7 @@ class Config:
     store_tokens: bool = True
     sink_tokens: int = 4
     stats_dir: str | None = None
+    writer: str = "process"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "Config":
@@ -155,6 +161,12 @@ class Config:
             else:
                 _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1", d.store_tokens)
         values["stats_dir"] = env.get(ATTN_OTEL_STATS_DIR, "").strip() or None
+        raw = env.get(ATTN_OTEL_WRITER)
+        if raw is not None:
+            if raw.strip().lower() in ("process", "thread"):
+                values["writer"] = raw.strip().lower()
+            else:
+                _warn(ATTN_OTEL_WRITER, raw, "expected process or thread", d.writer)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 

@@ -1,0 +1,73 @@
+"""The Zarr writer as a process of its own, so storage work never holds the engine process's GIL.
+
+Protocol (no pickle crosses the process boundary): the engine process puts a capture's arrays into one
+POSIX shared-memory segment and writes one JSON line on the writer's stdin::
+
+    {"id": 7, "shm": "psm_...", "record": {...CaptureRecord fields...},
+     "arrays": {"per_row": [offset, shape, dtype], "maps": [...], "token_ids": [...], "vision_mask": [...]},
+     "metrics": ["entropy", ...]}
+
+The writer maps the segment read-only into NumPy views, writes the capture (marker last) and answers one
+JSON line on stdout: ``{"id": 7, "ok": true, "bytes": N}`` or ``{"id": 7, "ok": false, "error": "..."}``.
+The engine side unlinks the segment after the answer.  EOF on stdin ends the writer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _attach(name: str):
+    from multiprocessing import resource_tracker, shared_memory
+
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    try:  # the creator owns (and unlinks) the segment; this process must not track it (Python < 3.13)
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001
+        pass
+    return shm
+
+
+def serve(store_url: str, stdin=None, stdout=None) -> None:
+    import numpy as np
+
+    from .store import CaptureRecord, open_zarr_store, write_capture
+
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    store = None
+    for line in stdin:
+        if not line.strip():
+            continue
+        msg_id = None
+        shm = None
+        try:
+            msg = json.loads(line)
+            msg_id = msg.get("id")
+            shm = _attach(msg["shm"])
+            views = {name: np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=shm.buf, offset=int(off))
+                     for name, (off, shape, dtype) in msg["arrays"].items()}
+            per_row = views.get("per_row")
+            metrics = {name: per_row[i] for i, name in enumerate(msg.get("metrics", [])) if per_row is not None}
+            rec = CaptureRecord(**msg["record"], token_ids=views.get("token_ids"), maps=views.get("maps"),
+                                vision_mask=views.get("vision_mask"), metrics=metrics)
+            if store is None:
+                store = open_zarr_store(store_url)
+            n = write_capture(store, rec)
+            del views, per_row, metrics, rec
+            reply = {"id": msg_id, "ok": True, "bytes": n}
+        except Exception as e:  # noqa: BLE001 - reported to the engine side, which counts it
+            reply = {"id": msg_id, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            if shm is not None:
+                try:
+                    shm.close()
+                except BufferError:  # a view still alive: the mapping goes with the process
+                    pass
+        stdout.write(json.dumps(reply) + "\n")
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
