@@ -582,7 +582,8 @@ class CaptureEngine:
             meta = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)
                     if f.name not in ("token_ids", "maps", "metrics", "vision_mask")}
             meta["layers"] = [int(x) for x in meta["layers"]]
-            msg = {"id": id(job), "shm": shm.name, "record": meta, "arrays": layout, "metrics": names}
+            msg = {"id": id(job), "shm": shm.name, "record": meta, "arrays": layout,
+                   "metrics": {name: METRICS.index(name) for name in names}}
             reply = self._writer_call(json.dumps(msg))
         finally:
             shm.close()

@@ -5,7 +5,7 @@ POSIX shared-memory segment and writes one JSON line on the writer's stdin::
 
     {"id": 7, "shm": "psm_...", "record": {...CaptureRecord fields...},
      "arrays": {"per_row": [offset, shape, dtype], "maps": [...], "token_ids": [...], "vision_mask": [...]},
-     "metrics": ["entropy", ...]}
+     "metrics": {"entropy": 0, ...}}          (metric name -> its row in per_row)
 
 The writer maps the segment read-only into NumPy views, writes the capture (marker last) and answers one
 JSON line on stdout: ``{"id": 7, "ok": true, "bytes": N}`` or ``{"id": 7, "ok": false, "error": "..."}``.
@@ -49,7 +49,7 @@ def serve(store_url: str, stdin=None, stdout=None) -> None:
             views = {name: np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=shm.buf, offset=int(off))
                      for name, (off, shape, dtype) in msg["arrays"].items()}
             per_row = views.get("per_row")
-            metrics = {name: per_row[i] for i, name in enumerate(msg.get("metrics", [])) if per_row is not None}
+            metrics = {name: per_row[int(i)] for name, i in msg.get("metrics", {}).items() if per_row is not None}
             rec = CaptureRecord(**msg["record"], token_ids=views.get("token_ids"), maps=views.get("maps"),
                                 vision_mask=views.get("vision_mask"), metrics=metrics)
             if store is None:

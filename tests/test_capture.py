@@ -89,3 +89,20 @@ def test_off_is_skipped(tmp_path, mode):
     eng = _engine(tmp_path)
     eng.on_finished(_req(10, mode))
     assert eng.stats.snapshot()["skipped"] == {"request_off": 1}
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_both_writers_store_every_metric_under_its_own_name(tmp_path, writer):
+    from attn_otel.attention import attention_metrics
+
+    eng = _engine(tmp_path, writer=writer)
+    trace = new_trace_id()
+    eng.on_finished(_req(120, "maps", trace))
+    assert eng.flush(60)
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    q, k = eng.tap.gather(0, torch.arange(120))
+    want = attention_metrics(q, k, SPEC.scale, 118, 4)
+    for i, name in enumerate(["entropy", "entropy_norm", "sink_mass_first", "sink_mass_k"]):
+        assert torch.allclose(torch.from_numpy(cap.metrics[name][0]), want[i], equal_nan=True), name
+    assert torch.allclose(torch.from_numpy(cap.metrics["lookback_ratio"][0]), want[6], equal_nan=True)
+    assert "vision_share" not in cap.metrics
