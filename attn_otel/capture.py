@@ -58,6 +58,7 @@ class QKTap:
     def __init__(self, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype, device):
         self.layers = {spec.index: spec for spec in layers}
         self.num_slots = int(num_slots)
+        self.dtype = dtype
         self.q: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         for spec in layers:
@@ -74,7 +75,7 @@ class QKTap:
 
     @property
     def itemsize(self) -> int:
-        return next(iter(self.q.values())).element_size()
+        return torch.empty((), dtype=self.dtype).element_size()
 
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
@@ -310,7 +311,7 @@ class CaptureEngine:
         self._compute_q: queue.Queue[_Pending] = queue.Queue()
         self._compute_thread = threading.Thread(target=self._compute_loop, name="attn-otel-compute", daemon=True)
         self._compute_thread.start()
-        _at_exit(lambda: self.flush(EXIT_DRAIN_S))  # runs before the hand-off's own drain
+        _at_exit(self.close)  # registered after the hand-off's drain, so it runs before it
 
     # ----------------------------------------------------------------- engine-loop side (no I/O here)
     def warn_once(self, key: str, msg: str, *args: Any, exc: bool = False) -> None:
@@ -471,6 +472,11 @@ class CaptureEngine:
         with ctx:
             if cuda:
                 self._stream.wait_event(p.ready)  # the gathers on the engine's stream are done
+                # They were allocated on the engine's stream: keep the allocator from handing their memory
+                # back to it before this stream's kernels have read them.
+                for t in (*(x for pair in p.qk for x in pair), p.tokens_dev):
+                    if t is not None:
+                        t.record_stream(self._stream)
             vision = torch.from_numpy(rec.vision_mask).to(self.device) if rec.vision_mask is not None else None
             fused = cuda and not p.want_maps and triton_metrics.available(self.device)
             for li, (spec, (q, k)) in enumerate(zip(layers, p.qk)):
@@ -597,7 +603,7 @@ class CaptureEngine:
         import subprocess
         import sys
 
-        for attempt in (0, 1):  # a writer that died is restarted once per capture
+        for _ in range(2):  # a writer that died is restarted once per capture
             proc = self._writer_proc
             if proc is None or proc.poll() is not None:
                 if proc is not None:
@@ -631,7 +637,7 @@ class CaptureEngine:
             path = os.path.join(self.config.stats_dir, f"attn-otel-stats-{os.getpid()}.json")
             snap = self.stats.snapshot(percentiles=True)
             snap.update(tap_bytes=self.tap.nbytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
-                        tap_bytes_per_token=QKTap.bytes_per_token(self.layers, next(iter(self.tap.q.values())).dtype))
+                        tap_bytes_per_token=QKTap.bytes_per_token(self.layers, self.tap.dtype))
             with open(path + ".tmp", "w") as f:
                 json.dump(snap, f)
             os.replace(path + ".tmp", path)
