@@ -30,7 +30,7 @@ from . import triton_metrics
 from .attention import METRICS, ROWS, attention_metrics
 from .config import Config, RequestOptions
 from .ids import maps_sampled, new_span_id, new_trace_id, parse_traceparent
-from .store import CaptureRecord, open_zarr_store, write_capture
+from .store import CaptureRecord
 
 logger = logging.getLogger("attn_otel")
 
@@ -154,6 +154,7 @@ class Stats:
         self.maps_stored = 0
         self.dropped: collections.Counter[str] = collections.Counter()
         self.skipped: collections.Counter[str] = collections.Counter()
+        self.export_errors: collections.Counter[str] = collections.Counter()  # by exporter, store excluded
         self.bytes_written = 0
         # seconds, per capture: request finish -> metrics on the host, ready for the exporters
         self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)
@@ -173,7 +174,8 @@ class Stats:
         with self._lock:
             snap: dict[str, Any] = {"captured": self.captured, "stored": self.stored,
                                     "maps_stored": self.maps_stored, "dropped": dict(self.dropped),
-                                    "skipped": dict(self.skipped), "bytes_written": self.bytes_written}
+                                    "skipped": dict(self.skipped), "export_errors": dict(self.export_errors),
+                                    "bytes_written": self.bytes_written}
             if percentiles:
                 for name in ("latencies", "write_latencies", "loop_times"):
                     vals = np.asarray(getattr(self, name), dtype=np.float64)
@@ -300,7 +302,7 @@ class CaptureEngine:
         self.attrs = dict(attrs or {})
         self.stats = Stats()
         self._warned: set[str] = set()
-        self._store = None
+        self._fanout = None  # the exporters, when they run in this process (ATTN_OTEL_WRITER=thread)
         self._writer_proc = None
         self.handoff = Handoff(config, self.stats, self._write)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -529,25 +531,27 @@ class CaptureEngine:
         try:
             if job.event is not None:
                 job.event.synchronize()
-            self.stats.latencies.append(time.perf_counter() - job.t_finish)
+            latency = time.perf_counter() - job.t_finish
+            self.stats.latencies.append(latency)
             rec = job.record
             if job.token_ids is not None:
                 rec.token_ids = job.token_ids.numpy().astype(np.int32)
             names = [name for name in METRICS
                      if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")]
             if self.config.writer == "process":
-                n = self._write_in_process(rec, job, names)
+                reply = self._write_in_process(rec, job, names, latency)
             else:
-                per_row = job.per_row.numpy()
-                rec.metrics = {name: per_row[METRICS.index(name)] for name in names}
-                rec.maps = job.maps.numpy() if job.maps is not None else None
-                if self._store is None:
-                    self._store = open_zarr_store(self.config.store)
-                n = write_capture(self._store, rec)
+                reply = self._write_in_thread(rec, job, names, latency)
+            errors = dict(reply.get("errors") or {})
+            store_error = errors.pop("zarr", None)
+            for name in errors:
+                self.stats.add("export_errors", reason=name)
+            if store_error is not None:
+                raise RuntimeError(store_error)
             self.stats.add("stored")
             if job.maps is not None:
                 self.stats.add("maps_stored")
-            self.stats.add("bytes_written", n)
+            self.stats.add("bytes_written", int(reply.get("bytes", 0)))
             self.stats.write_latencies.append(time.perf_counter() - job.t_finish)
         except Exception as e:  # noqa: BLE001
             self.stats.add("dropped", reason="store_error")
@@ -557,7 +561,19 @@ class CaptureEngine:
         finally:
             self._dump_stats()
 
-    def _write_in_process(self, rec: CaptureRecord, job: _Job, names: list[str]) -> int:
+    def _write_in_thread(self, rec: CaptureRecord, job: _Job, names: list[str], latency: float) -> dict:
+        from .exporters import ExportItem, build_exporters
+
+        per_row = job.per_row.numpy()
+        rec.metrics = {name: per_row[METRICS.index(name)] for name in names}
+        rec.maps = job.maps.numpy() if job.maps is not None else None
+        if self._fanout is None:
+            self._fanout = build_exporters(self.config)
+        item = ExportItem(rec, latency_s=latency)
+        errors = self._fanout.export(item)
+        return {"ok": True, "bytes": item.bytes_written, "errors": errors}
+
+    def _write_in_process(self, rec: CaptureRecord, job: _Job, names: list[str], latency: float) -> dict:
         """Hand the capture to the writer process: arrays through one shared-memory segment, the rest as
         one JSON line; block this (writer-feeding) thread, not the engine, until it answers."""
         import json
@@ -589,14 +605,14 @@ class CaptureEngine:
                     if f.name not in ("token_ids", "maps", "metrics", "vision_mask")}
             meta["layers"] = [int(x) for x in meta["layers"]]
             msg = {"id": id(job), "shm": shm.name, "record": meta, "arrays": layout,
-                   "metrics": {name: METRICS.index(name) for name in names}}
+                   "metrics": {name: METRICS.index(name) for name in names}, "latency_s": latency}
             reply = self._writer_call(json.dumps(msg))
         finally:
             shm.close()
             shm.unlink()
         if not reply.get("ok"):
             raise RuntimeError(f"writer process: {reply.get('error')}")
-        return int(reply.get("bytes", 0))
+        return reply
 
     def _writer_call(self, line: str) -> dict:
         import json
@@ -653,4 +669,17 @@ class CaptureEngine:
         return done
 
     def close(self) -> None:
+        """Drain what is pending (bounded by EXIT_DRAIN_S), then let the exporters flush and stop."""
         self.flush(EXIT_DRAIN_S)
+        fanout, self._fanout = self._fanout, None
+        if fanout is not None:
+            fanout.shutdown()
+        proc, self._writer_proc = self._writer_proc, None
+        if proc is not None and proc.poll() is None:
+            import subprocess
+
+            try:
+                proc.stdin.close()  # EOF: the writer shuts its exporters down (spans are flushed) and exits
+                proc.wait(timeout=EXIT_DRAIN_S)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()

@@ -7,8 +7,10 @@ POSIX shared-memory segment and writes one JSON line on the writer's stdin::
      "arrays": {"per_row": [offset, shape, dtype], "maps": [...], "token_ids": [...], "vision_mask": [...]},
      "metrics": {"entropy": 0, ...}}          (metric name -> its row in per_row)
 
-The writer maps the segment read-only into NumPy views, writes the capture (marker last) and answers one
-JSON line on stdout: ``{"id": 7, "ok": true, "bytes": N}`` or ``{"id": 7, "ok": false, "error": "..."}``.
+The writer maps the segment read-only into NumPy views, runs the exporters on the capture (the Zarr store
+first, marker last; then OpenTelemetry and Prometheus, see :mod:`attn_otel.exporters`) and answers one JSON
+line on stdout: ``{"id": 7, "ok": true, "bytes": N, "errors": {exporter: message}}`` or
+``{"id": 7, "ok": false, "error": "..."}`` when the message itself could not be read.
 The engine side unlinks the segment after the answer.  EOF on stdin ends the writer.
 """
 
@@ -32,11 +34,13 @@ def _attach(name: str):
 def serve(store_url: str, stdin=None, stdout=None) -> None:
     import numpy as np
 
-    from .store import CaptureRecord, open_zarr_store, write_capture
+    from .config import Config
+    from .exporters import ExportItem, build_exporters
+    from .store import CaptureRecord
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
-    store = None
+    fanout = None
     for line in stdin:
         if not line.strip():
             continue
@@ -52,11 +56,12 @@ def serve(store_url: str, stdin=None, stdout=None) -> None:
             metrics = {name: per_row[int(i)] for name, i in msg.get("metrics", {}).items() if per_row is not None}
             rec = CaptureRecord(**msg["record"], token_ids=views.get("token_ids"), maps=views.get("maps"),
                                 vision_mask=views.get("vision_mask"), metrics=metrics)
-            if store is None:
-                store = open_zarr_store(store_url)
-            n = write_capture(store, rec)
-            del views, per_row, metrics, rec
-            reply = {"id": msg_id, "ok": True, "bytes": n}
+            if fanout is None:
+                fanout = build_exporters(Config.from_env(store=store_url))
+            item = ExportItem(rec, latency_s=float(msg.get("latency_s", 0.0)))
+            errors = fanout.export(item)
+            reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors}
+            del views, per_row, metrics, rec, item
         except Exception as e:  # noqa: BLE001 - reported to the engine side, which counts it
             reply = {"id": msg_id, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
         finally:
@@ -67,6 +72,8 @@ def serve(store_url: str, stdin=None, stdout=None) -> None:
                     pass
         stdout.write(json.dumps(reply) + "\n")
         stdout.flush()
+    if fanout is not None:
+        fanout.shutdown()
 
 
 if __name__ == "__main__":
