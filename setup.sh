@@ -4,6 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+
+# The Prometheus server the exporter tests scrape with (Debian package; promtool comes with it).
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's prometheus package ..." >&2
+    (apt-get install -y -q prometheus >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; })
+    systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true
+  else
+    echo "setup: no prometheus binary and no root apt-get: the Prometheus scrape tests will fail" >&2
+  fi
+fi
 stamp_src=$(cat setup.sh pyproject.toml | sha256sum | cut -c1-16)
 if [ -f .venv/.attn-otel-setup ] && [ "$(cat .venv/.attn-otel-setup)" = "$stamp_src" ]; then
   echo "setup: .venv is up to date" >&2
