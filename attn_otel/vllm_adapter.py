@@ -74,7 +74,78 @@ def _patch() -> None:
         if "determine_available_memory" in vars(cls):
             _wrap(cls, "determine_available_memory", _scale_available_memory)
             break
+    if _is_api_server():
+        try:
+            _patch_api_server()
+        except Exception:  # noqa: BLE001 - the server still serves, with capture but without these extras
+            logger.exception("attn-otel: could not hook into vLLM's API server (no traceresponse, no "
+                             "/attn-otel/metrics); capture itself is on")
     logger.info("attn-otel: capture on (vLLM hooks installed)")
+
+
+# ------------------------------------------------------------------------------ API-server process
+_API_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.api_server.entry",
+                       "vllm.entrypoints.cli.serve")
+
+
+def _is_api_server() -> bool:
+    import sys
+
+    return any(m in sys.modules for m in _API_SERVER_MODULES)
+
+
+def _patch_api_server() -> None:
+    """In vLLM's OpenAI server process: a stats directory for the engine processes to inherit, attn-otel's
+    endpoint plugin (trace-context middleware, ``/attn-otel/metrics``) appended to the ones vLLM attaches
+    to its app (both 0.26 and 0.32 look ``vllm.plugins.load_endpoint_plugins`` up when building the app),
+    and the request's traceparent copied into its sampling params when requests enter the engine."""
+    import vllm.plugins as plugins
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from . import server
+
+    server.prepare_stats_dir()
+    orig = plugins.load_endpoint_plugins
+    if not getattr(orig, "_attn_otel", False):
+        def load_endpoint_plugins(*args, **kwargs):
+            found = list(orig(*args, **kwargs))
+            try:
+                from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+                registry = get_prometheus_registry()
+            except Exception:  # noqa: BLE001
+                registry = None
+            return [*found, server.EndpointPlugin(registry)]
+
+        load_endpoint_plugins._attn_otel = True  # type: ignore[attr-defined]
+        load_endpoint_plugins.__wrapped__ = orig  # type: ignore[attr-defined]
+        plugins.load_endpoint_plugins = load_endpoint_plugins
+    _wrap_async(AsyncLLM, "add_request", _before_add_request)
+
+
+def _wrap_async(cls, name: str, wrapper) -> None:
+    orig = vars(cls)[name]
+    if getattr(orig, "_attn_otel", False):
+        return
+
+    async def patched(self, *args, **kwargs):
+        wrapper(args, kwargs)
+        return await orig(self, *args, **kwargs)
+
+    patched._attn_otel = True  # type: ignore[attr-defined]
+    patched.__wrapped__ = orig  # type: ignore[attr-defined]
+    patched.__name__ = orig.__name__
+    setattr(cls, name, patched)
+
+
+def _before_add_request(args: tuple, kwargs: dict) -> None:
+    """``AsyncLLM.add_request(request_id, prompt, params, ...)``: the prompt may already be an
+    ``EngineCoreRequest`` holding its own (possibly cloned) sampling params; both get the traceparent."""
+    from . import server
+
+    prompt = args[1] if len(args) > 1 else kwargs.get("prompt")
+    params = args[2] if len(args) > 2 else kwargs.get("params")
+    server.inject_traceparent(params, getattr(prompt, "sampling_params", None))
 
 
 def _wrap(cls, name: str, wrapper) -> None:

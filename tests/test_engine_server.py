@@ -23,11 +23,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(port, body):
+def _post(port, body, headers=None, with_headers=False):
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return r.status, json.loads(r.read())
+        out = r.status, json.loads(r.read())
+        return (*out, dict(r.headers)) if with_headers else out
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +85,28 @@ def test_bad_vllm_xargs_still_serve(server):
     for xargs in ({"attn_otel": "bogus"}, {"attn_otel_layers": "x,y"}, {"attn_otel_layers": [-3]}):
         status, body = _post(port, {"model": model, "prompt": "Hello", "max_tokens": 3, "vllm_xargs": xargs})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_http_traceparent_header_keys_the_capture(server):
+    port, store, model = server
+    trace, parent = new_trace_id(), new_span_id()
+    status, body, headers = _post(port, {"model": model, "prompt": "The capital of France is", "max_tokens": 3},
+                                  headers={"traceparent": f"00-{trace}-{parent}-01"}, with_headers=True)
+    assert status == 200
+    assert headers["traceresponse"] == f"00-{trace}-{parent}-01"
+    (cap,) = _wait_for(trace, store)
+    assert cap.meta["parent_span_id"] == parent
+    assert cap.num_tokens == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] - 1
+
+
+def test_without_traceparent_the_response_names_the_trace(server):
+    port, store, model = server
+    status, body, headers = _post(port, {"model": model, "prompt": "Hello there", "max_tokens": 2},
+                                  with_headers=True)
+    assert status == 200
+    _, trace, parent, _ = headers["traceresponse"].split("-")
+    (cap,) = _wait_for(trace, store)
+    assert cap.meta["parent_span_id"] == parent
+    # a second request is a second trace
+    _, _, headers2 = _post(port, {"model": model, "prompt": "Hello there", "max_tokens": 2}, with_headers=True)
+    assert headers2["traceresponse"].split("-")[1] != trace

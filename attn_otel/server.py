@@ -1,0 +1,142 @@
+"""The API-server side of attn-otel: trace context in, trace id out, metrics routes.
+
+vLLM's OpenAI server runs in its own process; captures happen in the engine's worker process.  This module
+(Starlette/FastAPI only, no vLLM import) is what attn-otel adds to the server process, installed by
+:mod:`attn_otel.vllm_adapter` when ``ATTN_OTEL=1``:
+
+- :class:`TraceContextMiddleware` (pure ASGI): takes the client's W3C ``traceparent`` header, or makes a
+  new one when the client sent none or an invalid one (and then puts it into the request's headers, so
+  vLLM's own tracing, when on, uses the same trace).  It answers every HTTP response with a
+  ``traceresponse: 00-{trace_id}-{span_id}-{flags}`` header (W3C Trace Context level 2), so a client
+  learns the trace id under which its request's capture is stored.  The value is kept in a context
+  variable for the request's duration; the adapter copies it into the request's
+  ``SamplingParams.extra_args["traceparent"]`` unless the request set one itself (``vllm_xargs``).
+- :class:`EndpointPlugin`: an object of vLLM's endpoint-plugin shape that the adapter adds to the plugins
+  vLLM attaches to its app (without the operator naming it in ``VLLM_PLUGINS``): it installs the middleware
+  and the Prometheus routes (:func:`attn_otel.exporters.prometheus.install_api_server`).
+- :func:`prepare_stats_dir`: the directory through which the engine's processes hand their counters and
+  histograms to this process's ``/metrics`` (``ATTN_OTEL_STATS_DIR``; a fresh temporary directory,
+  removed at exit, when the operator set none).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from .config import ATTN_OTEL_STATS_DIR
+from .ids import new_span_id, new_trace_id, parse_traceparent
+
+logger = logging.getLogger("attn_otel")
+
+_TRACEPARENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_otel_traceparent", default=None)
+
+
+def current_traceparent() -> str | None:
+    """The traceparent of the HTTP request being served in this context, if any."""
+    return _TRACEPARENT.get()
+
+
+class TraceContextMiddleware:
+    """Pure ASGI middleware: one trace context per HTTP request, echoed as ``traceresponse``."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        headers = list(scope.get("headers") or [])
+        sent = next((v for k, v in headers if k == b"traceparent"), None)
+        parsed = parse_traceparent(sent.decode("latin-1")) if sent is not None else None
+        if parsed is not None:
+            traceparent = sent.decode("latin-1").strip()
+        else:
+            traceparent = f"00-{new_trace_id()}-{new_span_id()}-01"
+            headers = [(k, v) for k, v in headers if k not in (b"traceparent", b"tracestate")]
+            headers.append((b"traceparent", traceparent.encode()))
+            scope = {**scope, "headers": headers}
+        response_header = (b"traceresponse", traceparent.encode())
+
+        async def send_with_traceresponse(message):
+            if message.get("type") == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), response_header]}
+            await send(message)
+
+        token = _TRACEPARENT.set(traceparent)
+        try:
+            await self.app(scope, receive, send_with_traceresponse)
+        finally:
+            _TRACEPARENT.reset(token)
+
+
+def inject_traceparent(*params_objects: Any) -> None:
+    """Put the current HTTP request's traceparent into each ``SamplingParams``' ``extra_args`` that does
+    not carry one already (a ``vllm_xargs`` traceparent wins).  Never raises."""
+    traceparent = _TRACEPARENT.get()
+    if traceparent is None:
+        return
+    for params in params_objects:
+        try:
+            if params is None or not hasattr(params, "extra_args"):
+                continue
+            extra = params.extra_args
+            if extra is None:
+                params.extra_args = {"traceparent": traceparent}
+            elif isinstance(extra, dict) and "traceparent" not in extra:
+                extra["traceparent"] = traceparent
+        except Exception:  # noqa: BLE001 - a frozen or foreign params object: that request keeps its own id
+            logger.debug("attn-otel: could not attach the traceparent to %r", type(params), exc_info=True)
+
+
+class EndpointPlugin:
+    """vLLM's endpoint-plugin shape (``name``, ``required_tasks``, ``attach_router``, ``init_state``)."""
+
+    name = "attn_otel"
+    required_tasks = None
+
+    def __init__(self, registry: Any = None):
+        self.registry = registry
+
+    def attach_router(self, app: Any) -> None:
+        if getattr(app.state, "attn_otel_installed", False):
+            return
+        app.add_middleware(TraceContextMiddleware)
+        try:
+            from .exporters import prometheus
+        except ImportError as e:
+            logger.warning("attn-otel: Prometheus routes are off (%s)", e)
+        else:
+            install = getattr(prometheus, "install_api_server", None)
+            if install is not None:
+                try:
+                    install(app, self.registry)
+                except Exception:  # noqa: BLE001 - metrics routes must not keep the server from starting
+                    logger.exception("attn-otel: could not install the Prometheus routes")
+        app.state.attn_otel_installed = True
+        logger.info("attn-otel: trace context middleware installed (traceparent in, traceresponse out)")
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        return None
+
+
+_CREATED_STATS_DIR: str | None = None
+
+
+def prepare_stats_dir() -> str:
+    """``ATTN_OTEL_STATS_DIR``, creating a temporary one (removed at this process's exit) when unset.  Set
+    in the environment before vLLM starts its engine processes, so they inherit it."""
+    global _CREATED_STATS_DIR
+    path = os.environ.get(ATTN_OTEL_STATS_DIR, "").strip()
+    if path:
+        return path
+    path = tempfile.mkdtemp(prefix="attn-otel-stats-")
+    os.environ[ATTN_OTEL_STATS_DIR] = path
+    _CREATED_STATS_DIR = path
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
