@@ -65,3 +65,13 @@ def engine(tmp_path_factory, smollm2_path):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver():
+    """A real OTLP trace receiver on loopback (HTTP/protobuf and gRPC, port 0), shared by the session."""
+    from otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
