@@ -193,6 +193,7 @@ class _Job:
     nbytes: int
     t_finish: float
     token_ids: torch.Tensor | None = None  # host copy of device-held token ids, valid after ``event``
+    keep: list[int] | None = None  # the request's layers among per_row's, picked after ``event``
 
 
 def _at_exit(fn: Callable[[], None]) -> None:
@@ -306,6 +307,8 @@ class CaptureEngine:
         self._writer_proc = None
         self.handoff = Handoff(config, self.stats, self._write)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
+        self._fused = triton_metrics.available(self.device)
         self._device_lock = threading.Lock()
         self._device_bytes = 0
         self._device_idle = threading.Event()
@@ -323,15 +326,36 @@ class CaptureEngine:
         (logger.exception if exc else logger.warning)("attn-otel: " + msg, *args)
 
     def on_finished(self, req: FinishedRequest) -> None:
-        """Capture one finished request.  Never raises: a failure is logged once and counted."""
-        try:
-            self._capture(req)
-        except Exception as e:  # noqa: BLE001 - capture must never take the request or engine down
-            self.stats.add("dropped", reason="capture_error")
-            self.warn_once(f"err:{type(e).__name__}", "capture of request %s failed; dropped and counted "
-                           "(logged once per error type)", req.request_id, exc=True)
+        self.on_finished_many([req])
 
-    def _capture(self, req: FinishedRequest) -> None:
+    def on_finished_many(self, reqs: Sequence[FinishedRequest]) -> None:
+        """Capture the requests that finished this step.  Never raises: a failure is logged once and
+        counted.  On a GPU, metrics-only captures are batched: one fused kernel launch per layer reads
+        every such request's rows straight out of the tap (see :meth:`_metrics_from_tap`)."""
+        batch: list[tuple[FinishedRequest, dict[str, Any]]] = []
+        for req in reqs:
+            try:
+                fast = self._capture(req)
+                if fast is not None:
+                    batch.append((req, fast))
+            except Exception as e:  # noqa: BLE001 - capture must never take the request or engine down
+                self.stats.add("dropped", reason="capture_error")
+                self.warn_once(f"err:{type(e).__name__}", "capture of request %s failed; dropped and counted "
+                               "(logged once per error type)", req.request_id, exc=True)
+        if batch:
+            try:
+                self._metrics_from_tap(batch)
+            except Exception as e:  # noqa: BLE001
+                for _, info in batch:
+                    self.handoff.release(info["nbytes"])
+                    self._device_release(info["device"])
+                self.stats.add("dropped", len(batch), reason="capture_error")
+                self.warn_once(f"err:{type(e).__name__}", "capture of %d requests failed; dropped and counted "
+                               "(logged once per error type)", len(batch), exc=True)
+
+    def _capture(self, req: FinishedRequest) -> dict[str, Any] | None:
+        """Either enqueue the request's capture (gather + compute thread), or, for a metrics-only capture
+        on a GPU, return what :meth:`_metrics_from_tap` needs to batch it with the step's others."""
         t0 = time.perf_counter()
         opts = self._options(req)
         if opts.mode == "off":
@@ -369,6 +393,14 @@ class CaptureEngine:
                 self.warn_once("queue_full", "hand-off queue full (%d bytes, ATTN_OTEL_QUEUE_BYTES); dropping "
                                "captures and counting them", self.config.queue_bytes)
                 return
+        if not want_maps and self._fused:
+            device = len(METRICS) * L * H * T * 4
+            if not self._device_reserve(device):
+                self.handoff.release(nbytes)
+                self.stats.add("dropped", reason="device_queue_full")
+                return None
+            return {"layers": layers, "T": T, "nbytes": nbytes, "device": device, "trace_id": trace_id,
+                    "parent": parent, "t0": t0}
         gathered = sum(T * (s.num_heads + s.num_kv_heads) * s.head_dim for s in layers) * self.tap.itemsize
         if not self._device_reserve(gathered):
             self.handoff.release(nbytes)
@@ -386,6 +418,70 @@ class CaptureEngine:
         pending.t_finish = t0
         self._compute_q.put_nowait(pending)
         self.stats.loop_times.append(time.perf_counter() - t0)
+        return None
+
+    def _metrics_from_tap(self, batch: list[tuple[FinishedRequest, dict[str, Any]]]) -> None:
+        """Engine loop, GPU, metrics only: for each captured layer one kernel launch on the engine's stream
+        reads all of the step's finished requests' Q/K rows from the tap by slot index (enqueued before the
+        next step can reuse their blocks, so stream order keeps it exact), then one copy of the small
+        ``[L, 7, H, sum T]`` result to pinned host memory.  No gather, no host sync."""
+        t0 = time.perf_counter()
+        layers = self.layers
+        H = max(s.num_heads for s in layers)
+        Ts = [info["T"] for _, info in batch]
+        total = int(sum(Ts))
+        cu = np.zeros(len(batch) + 1, dtype=np.int32)
+        cu[1:] = np.cumsum(Ts)
+        records, vision_any = [], False
+        slots_host: dict[int, list[np.ndarray]] = {}
+        vision_host = np.zeros(total, dtype=np.float32)
+        tokens_dev: list[tuple[int, torch.Tensor]] = []
+        for i, (req, info) in enumerate(batch):
+            T = info["T"]
+            rec, tok_dev = self._record(req, info["layers"], T, False, info["trace_id"], info["parent"])
+            if rec.vision_mask is not None:
+                vision_any = True
+                vision_host[cu[i]:cu[i + 1]] = rec.vision_mask
+            if tok_dev is not None:
+                tokens_dev.append((i, tok_dev))
+            records.append(rec)
+            for spec in layers:
+                if spec.group not in slots_host:
+                    slots_host[spec.group] = []
+            for group, parts in slots_host.items():
+                parts.append(self._slots_np(req, group, T))
+        prompt = np.asarray([r.prompt_len for r in records], dtype=np.int32)
+        dev = self.device
+
+        def up(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)
+
+        cu_dev, prompt_dev = up(cu), up(prompt)
+        slots_dev = {g: up(np.concatenate(parts)) for g, parts in slots_host.items()}
+        vision_dev = up(vision_host) if vision_any else None
+        out = torch.full((len(layers), len(METRICS), H, total), float("nan"), dtype=torch.float32, device=dev)
+        for li, spec in enumerate(layers):
+            triton_metrics.row_metrics_slots(
+                self.tap.q[spec.index], self.tap.k[spec.index], slots_dev[spec.group], cu_dev, prompt_dev,
+                max(Ts), spec.scale, self.config.sink_tokens, vision_dev, out=out[li, :, : spec.num_heads])
+        host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        tok_host = {}
+        for i, t in tokens_dev:
+            tok_host[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            tok_host[i].copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        loop = time.perf_counter() - t0
+        for i, ((req, info), rec) in enumerate(zip(batch, records)):
+            keep = [li for li, spec in enumerate(layers) if spec in info["layers"]]
+            per_row = host[:, :, :, cu[i]:cu[i + 1]].permute(1, 0, 2, 3)  # a view: read after ``event``
+            job = _Job(rec, per_row, None, event, info["nbytes"], info["t0"], tok_host.get(i),
+                       keep=keep if len(keep) < len(layers) else None)
+            self.handoff.put(job)
+            self.stats.add("captured")
+            self._device_release(info["device"])  # stream order: the next step's writes come after the kernels
+            self.stats.loop_times.append(loop / len(batch) + (t0 - info["t0"]))
 
     def _options(self, req: FinishedRequest) -> RequestOptions:
         from .config import parse_request_options
@@ -396,30 +492,23 @@ class CaptureEngine:
         return opts
 
     def _slots(self, req: FinishedRequest, group: int, T: int) -> torch.Tensor:
-        bs = int(req.block_sizes[group])
-        blocks = np.asarray(req.block_ids[group], dtype=np.int64)
-        pos = np.arange(T, dtype=np.int64)
-        slots = blocks[pos // bs] * bs + pos % bs
-        t = torch.from_numpy(slots)
+        t = torch.from_numpy(self._slots_np(req, group, T))
         if self.device.type == "cuda":
             t = t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _gather(self, req, layers, T, want_maps, nbytes, gathered, trace_id, parent) -> "_Pending":
-        """Engine loop: copy the request's Q/K out of the tap before its blocks can be reused.  Only
-        device copies are enqueued here (on the engine's stream); the math runs on the compute thread."""
-        cuda = self.device.type == "cuda"
+    def _slots_np(self, req: FinishedRequest, group: int, T: int) -> np.ndarray:
+        bs = int(req.block_sizes[group])
+        blocks = np.asarray(req.block_ids[group], dtype=np.int64)
+        pos = np.arange(T, dtype=np.int64)
+        return blocks[pos // bs] * bs + pos % bs
+
+    def _record(self, req, layers, T, want_maps, trace_id, parent) -> tuple[CaptureRecord, torch.Tensor | None]:
         vision_np = None
         if req.vision_positions is not None and np.any(req.vision_positions[:T]):
             vision_np = np.zeros(T, dtype=bool)  # the mask ends with the last image; pad it to T
             n = min(T, len(req.vision_positions))
             vision_np[:n] = np.asarray(req.vision_positions[:n], dtype=bool)
-        slots_by_group: dict[int, torch.Tensor] = {}
-        qk = []
-        for spec in layers:
-            if spec.group not in slots_by_group:
-                slots_by_group[spec.group] = self._slots(req, spec.group, T)
-            qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
         tokens = None
         tokens_dev = None
         if self.config.store_tokens:
@@ -429,10 +518,6 @@ class CaptureEngine:
                 tokens = np.asarray(ids[:T], dtype=np.int32)
             elif req.token_ids_device is not None:
                 tokens_dev = req.token_ids_device[:T].clone()
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record()
         N = min(len(req.prompt_token_ids), T)
         H = max(s.num_heads for s in layers)
         record = CaptureRecord(
@@ -442,9 +527,25 @@ class CaptureEngine:
             token_ids=tokens, vision_mask=vision_np,
             attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens},
         )
+        return record, tokens_dev
+
+    def _gather(self, req, layers, T, want_maps, nbytes, gathered, trace_id, parent) -> "_Pending":
+        """Engine loop: copy the request's Q/K out of the tap before its blocks can be reused.  Only
+        device copies are enqueued here (on the engine's stream); the math runs on the compute thread."""
+        cuda = self.device.type == "cuda"
+        slots_by_group: dict[int, torch.Tensor] = {}
+        qk = []
+        for spec in layers:
+            if spec.group not in slots_by_group:
+                slots_by_group[spec.group] = self._slots(req, spec.group, T)
+            qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
+        record, tokens_dev = self._record(req, layers, T, want_maps, trace_id, parent)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
         return _Pending(record, layers, qk, tokens_dev, ready, want_maps, nbytes, gathered)
 
-    # ----------------------------------------------------------------- compute-thread side
     def _compute_loop(self) -> None:
         while True:
             pending = self._compute_q.get()
@@ -531,6 +632,8 @@ class CaptureEngine:
         try:
             if job.event is not None:
                 job.event.synchronize()
+            if job.keep is not None:
+                job.per_row = job.per_row[:, job.keep]
             latency = time.perf_counter() - job.t_finish
             self.stats.latencies.append(latency)
             rec = job.record

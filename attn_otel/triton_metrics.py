@@ -1,8 +1,10 @@
 """Per-row attention metrics in one fused Triton kernel (CUDA): no T x T tensor, one launch per request.
 
 Same contract as :func:`attn_otel.attention.attention_metrics` (the torch reference it is tested
-against), for a batch of layers of one request: ``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]`` ->
-``[B, len(METRICS), Hq, T]`` float32, NaN where a metric is undefined.
+against).  :func:`row_metrics_slots` reads several finished requests' rows straight out of the Q/K tap by
+slot index (one launch per layer for all the requests that finish in a step, no gather, nothing to keep
+alive on the device but the small ``[7, Hq, T]`` result); :func:`row_metrics` is the same kernel on
+contiguous ``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]``.  NaN where a metric is undefined.
 
 Each program takes a block of query rows of one head of one layer and walks its causal keys twice: first
 the running max and sum of exp (as FlashAttention does), then the normalised probabilities feed the
@@ -27,26 +29,32 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["T", "N", "KS"])
-    def _row_metrics(Q, K, VM, VC, OUT, T, N, KS, scale,
-                     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, so_b, so_m, so_h,
+    @triton.jit(do_not_specialize=["KS"])
+    def _row_metrics(Q, K, SL, CU, NP, VM, VC, OUT, KS, scale,
+                     sq_t, sq_h, sk_t, sk_h, so_m, so_h,
                      HAS_VISION: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         pid_m = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
+        start = tl.load(CU + b)
+        T = tl.load(CU + b + 1) - start
+        if pid_m * BLOCK_M >= T:
+            return
+        N = tl.load(NP + b)
         kvh = h // GROUP
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         dd = tl.arange(0, D)
         row_ok = rows < T
-        q = tl.load(Q + b * sq_b + rows[:, None] * sq_t + h * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
+        srow = tl.load(SL + start + rows, mask=row_ok, other=0)
+        q = tl.load(Q + srow[:, None] * sq_t + h * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
         hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, hi, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            kt = tl.load(K + b * sk_b + cols[:, None] * sk_t + kvh * sk_h + dd[None, :], mask=(cols < T)[:, None],
-                         other=0.0)
+        for kstart in range(0, hi, BLOCK_N):
+            cols = kstart + tl.arange(0, BLOCK_N)
+            scol = tl.load(SL + start + cols, mask=cols < T, other=0)
+            kt = tl.load(K + scol[:, None] * sk_t + kvh * sk_h + dd[None, :], mask=(cols < T)[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kt)) * scale
             valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T)
             s = tl.where(valid, s, float("-inf"))
@@ -62,10 +70,10 @@ if triton is not None:
         vis = tl.zeros([BLOCK_M], tl.float32)
         ctx = tl.zeros([BLOCK_M], tl.float32)
         gen = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, hi, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            kt = tl.load(K + b * sk_b + cols[:, None] * sk_t + kvh * sk_h + dd[None, :], mask=(cols < T)[:, None],
-                         other=0.0)
+        for kstart in range(0, hi, BLOCK_N):
+            cols = kstart + tl.arange(0, BLOCK_N)
+            scol = tl.load(SL + start + cols, mask=cols < T, other=0)
+            kt = tl.load(K + scol[:, None] * sk_t + kvh * sk_h + dd[None, :], mask=(cols < T)[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kt)) * scale
             valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & row_ok[:, None]
             p = tl.where(valid, tl.exp(s - m_i[:, None]) / l_i[:, None], 0.0)
@@ -75,17 +83,17 @@ if triton is not None:
             ctx += tl.sum(tl.where(cols[None, :] < N, p, 0.0), 1)
             gen += tl.sum(tl.where((cols[None, :] >= N) & (cols[None, :] < rows[:, None]), p, 0.0), 1)
             if HAS_VISION:
-                vm = tl.load(VM + cols, mask=cols < T, other=0.0)
+                vm = tl.load(VM + start + cols, mask=cols < T, other=0.0)
                 vis += tl.sum(p * vm[None, :], 1)
         nan = float("nan")
         rf = rows.to(tl.float32)
-        base = OUT + b * so_b + h * so_h + rows
+        base = OUT + h * so_h + start + rows
         tl.store(base + 0 * so_m, ent, mask=row_ok)
         tl.store(base + 1 * so_m, tl.where(rows > 0, ent / tl.log(tl.maximum(rf + 1.0, 2.0)), nan), mask=row_ok)
         tl.store(base + 2 * so_m, tl.where(rows >= KS, s0, nan), mask=row_ok)
         tl.store(base + 3 * so_m, tl.where(rows >= KS, sk, nan), mask=row_ok)
         if HAS_VISION:
-            vc = tl.load(VC + rows, mask=row_ok, other=0.0)
+            vc = tl.load(VC + start + rows, mask=row_ok, other=0.0)
             tl.store(base + 4 * so_m, tl.where(vc > 0, vis, nan), mask=row_ok)
             tl.store(base + 5 * so_m, tl.where(vc > 0, vis / tl.maximum(vc / (rf + 1.0), 1e-30), nan), mask=row_ok)
         else:
@@ -99,28 +107,52 @@ if triton is not None:
         tl.store(base + 6 * so_m, tl.where(lb_ok, ctxm / tl.where(tot > 0, tot, 1.0), nan), mask=row_ok)
 
 
+def row_metrics_slots(q_tap: torch.Tensor, k_tap: torch.Tensor, slots: torch.Tensor, cu_tokens: torch.Tensor,
+                      prompt_lens: torch.Tensor, max_tokens: int, scale: float, sink_tokens: int = 4,
+                      vision_mask: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Several requests' rows straight from the tap, no gather: ``q_tap [S, Hq, D]``, ``k_tap [S, Hkv, D]``
+    (any rows), request b's tokens at ``slots[cu_tokens[b]:cu_tokens[b+1]]`` (int64, on the device),
+    ``prompt_lens [B]`` int32 -> ``out [7, Hq, sum T]`` float32 (request b's rows in its ``cu_tokens``
+    range).  ``vision_mask`` is float32 ``[sum T]`` (concatenated per request) or None.  Nothing here
+    syncs with the host: it can be enqueued on the engine's stream."""
+    hq, d = q_tap.shape[1], q_tap.shape[2]
+    hkv = k_tap.shape[1]
+    total = slots.shape[0]
+    B = cu_tokens.shape[0] - 1
+    if out is None:
+        out = torch.empty((7, hq, total), dtype=torch.float32, device=q_tap.device)
+    has_vision = vision_mask is not None
+    if has_vision:
+        vm = vision_mask.to(dtype=torch.float32).contiguous()
+        cum = torch.cumsum(vm, 0)
+        starts = cu_tokens[:-1].long()
+        before = torch.where(starts > 0, cum[(starts - 1).clamp(min=0)], torch.zeros_like(cum[:1]).expand(B))
+        counts = (cu_tokens[1:] - cu_tokens[:-1]).long()
+        vc = cum - torch.repeat_interleave(before, counts, output_size=total)
+    else:
+        vm = vc = out  # unused pointers
+    block_m = 64 if d <= 128 else 32
+    grid = (triton.cdiv(max(int(max_tokens), 1), block_m), hq, B)
+    _row_metrics[grid](q_tap, k_tap, slots, cu_tokens, prompt_lens, vm, vc, out, int(sink_tokens), float(scale),
+                       q_tap.stride(0), q_tap.stride(1), k_tap.stride(0), k_tap.stride(1),
+                       out.stride(0), out.stride(1),
+                       HAS_VISION=has_vision, GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=64,
+                       num_warps=4, num_stages=2)
+    return out
+
+
 def row_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int, sink_tokens: int = 4,
                 vision_mask: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]`` (one request, B layers) -> ``[B, 7, Hq, T]`` float32."""
     B, T, hq, d = q.shape
-    hkv = k.shape[2]
-    q = q.contiguous()
-    k = k.contiguous()
     if out is None:
         out = torch.empty((B, 7, hq, T), dtype=torch.float32, device=q.device)
-    has_vision = vision_mask is not None
-    if has_vision:
-        if tuple(vision_mask.shape) != (T,):
-            raise ValueError(f"vision_mask has shape {tuple(vision_mask.shape)}, expected ({T},)")
-        vm = vision_mask.to(device=q.device, dtype=torch.float32).contiguous()
-        vc = torch.cumsum(vm, 0)
-    else:
-        vm = vc = out  # unused pointers
-    block_m = 64 if d <= 128 else 32
-    grid = (triton.cdiv(T, block_m), hq, B)
-    _row_metrics[grid](q, k, vm, vc, out, T, int(prompt_len), int(sink_tokens), float(scale),
-                       q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                       out.stride(0), out.stride(1), out.stride(2),
-                       HAS_VISION=has_vision, GROUP=hq // hkv, D=d, BLOCK_M=block_m, BLOCK_N=64,
-                       num_warps=4, num_stages=2)
+    if vision_mask is not None and tuple(vision_mask.shape) != (T,):
+        raise ValueError(f"vision_mask has shape {tuple(vision_mask.shape)}, expected ({T},)")
+    slots = torch.arange(T, dtype=torch.int64, device=q.device)
+    cu = torch.tensor([0, T], dtype=torch.int32, device=q.device)
+    np_ = torch.tensor([int(prompt_len)], dtype=torch.int32, device=q.device)
+    vm = None if vision_mask is None else vision_mask.to(device=q.device, dtype=torch.float32)
+    for b in range(B):
+        row_metrics_slots(q[b], k[b], slots, cu, np_, T, scale, sink_tokens, vm, out=out[b])
     return out

@@ -373,6 +373,7 @@ def _track(runner, engine, so) -> None:
     from .capture import FinishedRequest
 
     tracker = engine.tracker
+    finished = []
     for req_id in so.finished_req_ids:
         if req_id.startswith("_") and "warmup" in req_id:  # vLLM's own start-up warm-up batches
             tracker.finish(req_id)
@@ -381,10 +382,12 @@ def _track(runner, engine, so) -> None:
         if t is None or t.written <= 0:
             continue
         outputs, device_ids = _output_tokens(runner, req_id)
-        engine.on_finished(FinishedRequest(
+        finished.append(FinishedRequest(
             request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
             num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes,
             extra_args=t.extra_args, vision_positions=t.vision_positions, token_ids_device=device_ids))
+    if finished:
+        engine.on_finished_many(finished)
     scheduled = so.num_scheduled_tokens
     for new in so.scheduled_new_reqs:
         sp = new.sampling_params

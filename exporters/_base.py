@@ -89,7 +89,10 @@ def build_exporters(config: Config) -> FanOut:
     for module, cls in (("otel", "OtelExporter"), ("prometheus", "PrometheusExporter")):
         try:
             mod = __import__(f"{__name__.rsplit('.', 1)[0]}.{module}", fromlist=[cls])
-        except ImportError:
+        except ImportError:  # its library is not installed: that exporter is simply off
+            continue
+        except Exception as e:  # noqa: BLE001 - a broken exporter module must not stop the store
+            logger.warning("attn-otel: exporter %s is off: %s: %s", module, type(e).__name__, e)
             continue
         factory = getattr(mod, "from_config", None)
         if factory is None:

@@ -100,3 +100,52 @@ def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
             json.dump(results, f, indent=1)
     assert "FULL_AND_PIECEWISE" in results["cudagraph_mode"]
     assert results["attention_impl"].startswith("FlashAttention")
+
+
+def test_gpu_metrics_only_from_the_tap_match_hf_eager(gpu_engine, gpu_model):
+    """Metrics-only captures take the batched path (one kernel per layer, straight from the tap, on the
+    engine's stream): every request of a concurrent batch is captured and its per-row metrics equal
+    NumPy's on HF eager fp32 attention."""
+    from numpy_metrics import per_row_metrics
+    from reference import hf_attention
+    from vllm import SamplingParams
+
+    import attn_otel
+    from attn_otel import vllm_adapter
+
+    llm, store = gpu_engine
+    (engine,) = vllm_adapter.engines()
+    before = engine.stats.snapshot()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(10, 4000, 30 + 45 * i).tolist() for i in range(12)]
+    traces = [new_trace_id() for _ in prompts]
+    params = [SamplingParams(max_tokens=6 + i, temperature=0.0, ignore_eos=True,
+                             extra_args={"attn_otel": "metrics", "traceparent": f"00-{t}-{new_span_id()}-01"})
+              for i, t in enumerate(traces)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.step()
+    assert engine.flush(120)
+    after = engine.stats.snapshot()
+    assert after["captured"] - before["captured"] == len(prompts)
+    assert after["dropped"] == before["dropped"]
+    worst = {}
+    for out, t in zip(outs, traces):
+        (cap,) = attn_otel.open_trace(t, store)
+        assert not cap.has_maps
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        T = cap.num_tokens
+        A = hf_attention(gpu_model, ids[:T], device="cuda")
+        got = cap.metrics
+        for li in range(LAYERS):
+            ref = per_row_metrics(A[li], cap.prompt_len, 4)
+            for name, r in ref.items():
+                g = np.asarray(got[name][li], dtype=np.float64)
+                assert np.array_equal(np.isnan(g), np.isnan(r)), (name, li)
+                ok = ~np.isnan(r)
+                if ok.any():
+                    d = np.abs(g[ok] - r[ok])
+                    worst[name] = max(worst.get(name, 0.0), float(np.quantile(d, 0.5)))
+                    tol = 0.1 if name == "entropy" else 0.05
+                    assert np.quantile(d, 0.99) < tol, (name, li, float(np.quantile(d, 0.99)))
+    print("GPU metrics-only path, worst median |diff| per metric:", json.dumps(worst))
+    assert all(v < 0.02 for v in worst.values()), worst

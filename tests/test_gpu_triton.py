@@ -26,3 +26,37 @@ def test_fused_kernel_matches_torch(T, N, hq, hkv, d, vision):
     ok = ~torch.isnan(ref)
     err = (got[ok] - ref[ok]).abs().max().item() if ok.any() else 0.0
     assert err < 2e-4, err
+
+
+def test_slot_kernel_reads_several_requests_from_a_tap():
+    """Requests' rows scattered over a tap (random, non-contiguous slots) give the same metrics as each
+    request's contiguous Q/K through the torch reference; one request carries a vision mask."""
+    from attn_otel import triton_metrics
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    hq, hkv, d, S = 8, 2, 64, 4096
+    q_tap = (torch.randn(S + 1, hq, d, device="cuda", generator=g) * 1.5).bfloat16()
+    k_tap = (torch.randn(S + 1, hkv, d, device="cuda", generator=g) * 1.5).bfloat16()
+    Ts, Ns = [37, 300, 1, 129], [30, 250, 1, 100]
+    perm = torch.randperm(S, device="cuda", generator=g)
+    slots, off = [], 0
+    for T in Ts:
+        slots.append(perm[off:off + T])
+        off += T
+    vision = torch.zeros(sum(Ts), device="cuda")
+    vision[37 + 10:37 + 60] = 1.0  # request 1 has an image at positions 10..59
+    cu = torch.tensor([0, *torch.tensor(Ts).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    out = triton_metrics.row_metrics_slots(q_tap, k_tap, torch.cat(slots), cu,
+                                           torch.tensor(Ns, dtype=torch.int32, device="cuda"), max(Ts),
+                                           d ** -0.5, 4, vision)
+    for b, (T, N) in enumerate(zip(Ts, Ns)):
+        a, z = int(cu[b]), int(cu[b + 1])
+        vm = vision[a:z].bool() if vision[a:z].any() else None
+        ref = attention_metrics(q_tap[slots[b]], k_tap[slots[b]], d ** -0.5, N, 4, vm)
+        got = out[:, :, a:z]
+        if vm is None:
+            ref = ref.clone()
+            ref[4:6] = float("nan")
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), b
+        ok = ~torch.isnan(ref)
+        assert (got[ok] - ref[ok]).abs().max().item() < 2e-4, b
