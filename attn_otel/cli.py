@@ -8,6 +8,7 @@ Usage::
                     [--tokenizer DIR] [-o MAP.png] [--store URL]
     attn-otel metrics TRACE_ID [--request ID] [--json] [--store URL]
     attn-otel demo  [-o PNG] [--max-tokens N] [--store URL]
+    attn-otel gc    [--grace DURATION] [--older-than DURATION] [--dry-run] [--store URL]
 
 The store is ``--store``, else ``ATTN_OTEL_STORE``, else ``./attn-otel-data``.  Output goes to stdout
 (``ls``, ``metrics``) or the ``-o`` file; progress and errors go to stderr.  An error is one line,
@@ -35,7 +36,7 @@ import numpy as np
 
 from .config import ATTN_OTEL_STORE, parse_layers
 from .reader import Capture, _store_url, list_captures, open_trace
-from .store import StoreError
+from .store import StoreError, collect_garbage, open_zarr_store, redact_url
 
 PROG = "attn-otel"
 MAX_LABELLED_TOKENS = 64
@@ -83,6 +84,20 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
     return value
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _duration_arg(text: str) -> float:
+    """``30m``, ``12h``, ``7d``, ``1h30m``, ``0``: seconds."""
+    compact = text.strip().lower().replace(" ", "")
+    if compact == "0":
+        return 0.0
+    parts = re.findall(r"(\d+(?:\.\d+)?)([smhdw])", compact)
+    if not parts or "".join(n + u for n, u in parts) != compact:
+        raise argparse.ArgumentTypeError(f"expected a duration like 30m, 12h, 7d or 1h30m, got {text!r}")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
 
 
 # --- helpers shared by the subcommands -----------------------------------------------------------------
@@ -480,6 +495,61 @@ def add_metrics(subparsers, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_metrics)
 
 
+# --- gc ------------------------------------------------------------------------------------------------
+
+DEFAULT_GRACE = "10m"
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{max(seconds, 0):.0f}s"
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    store = open_zarr_store(_store_url(args.store), read_only=True)  # a missing store is an error, not created
+    if not args.dry_run:
+        store = store.with_read_only(False)
+    removed = collect_garbage(store, grace_s=args.grace, older_than_s=args.older_than, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for cap in removed:
+        kind = "complete" if cap.complete else "partial"
+        print(f"{verb} {kind:8} {cap.prefix}  {cap.objects} objects  {_size(cap.nbytes)}  {_age(cap.age_s)} old")
+    partial = sum(not c.complete for c in removed)
+    total = sum(c.nbytes for c in removed)
+    print(f"{verb} {len(removed)} captures ({partial} partial, {len(removed) - partial} complete), "
+          f"{'would free' if args.dry_run else 'freed'} {total} bytes ({_size(total)}) "
+          f"in {redact_url(_store_url(args.store))}")
+    return 0
+
+
+def add_gc(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "gc", parents=[common], help="delete partial captures (and, with --older-than, old complete ones)",
+        description="Delete what writers killed mid-capture left behind: captures without a COMPLETE marker "
+                    "whose newest object is older than --grace (so a capture being written now is kept).  With "
+                    "--older-than, also delete complete captures made longer ago than that.  Prints one line "
+                    "per capture and a total of bytes freed.  Works on local and s3:// stores.")
+    p.add_argument("--grace", type=_duration_arg, default=_duration_arg(DEFAULT_GRACE), metavar="DURATION",
+                   help=f"keep partial captures written to within this long (default {DEFAULT_GRACE})")
+    p.add_argument("--older-than", type=_duration_arg, metavar="DURATION",
+                   help="also delete complete captures older than this, e.g. 7d, 12h, 30m")
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    p.set_defaults(func=cmd_gc)
+
+
 # --- entry point ---------------------------------------------------------------------------------------
 
 def add_demo(subparsers, common: argparse.ArgumentParser) -> None:
@@ -489,7 +559,7 @@ def add_demo(subparsers, common: argparse.ArgumentParser) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None]] = [
-    add_ls, add_fetch, add_show, add_metrics, add_demo,
+    add_ls, add_fetch, add_show, add_metrics, add_demo, add_gc,
 ]
 
 

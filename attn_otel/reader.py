@@ -3,21 +3,42 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, Union
 
 import numpy as np
 
 from .config import ATTN_OTEL_STORE, Config
 from .ids import check_trace_id
-from .store import StoreError, list_request_keys, list_trace_ids, open_zarr_store, read_summary
+from .store import StoreError, list_request_keys, list_trace_ids, open_zarr_store, read_summary, redact_url
+
+if TYPE_CHECKING:
+    import zarr.abc.store
 
 
 class TraceNotFound(LookupError):
     pass
 
 
-def _store_url(store: str | os.PathLike | None) -> str:
+StoreLike = Union[str, os.PathLike, "zarr.abc.store.Store", None]
+
+
+def _store_url(store: StoreLike) -> str:
+    if _is_zarr_store(store):
+        return str(store)
     return os.fspath(store) if store is not None else (os.environ.get(ATTN_OTEL_STORE) or Config().store)
+
+
+def _is_zarr_store(store: object) -> bool:
+    if store is None or isinstance(store, (str, os.PathLike)):
+        return False
+    from zarr.abc.store import Store
+
+    return isinstance(store, Store)
+
+
+def _open(store: StoreLike):
+    """A zarr Store to read from: the one given, or one opened (read-only) from a URL or the environment."""
+    return store if _is_zarr_store(store) else open_zarr_store(_store_url(store), read_only=True)
 
 
 class Capture:
@@ -108,9 +129,10 @@ class Capture:
         return out
 
 
-def list_captures(store: str | os.PathLike | None = None) -> Iterator[Capture]:
-    """Every complete capture in the store, trace by trace."""
-    zstore = open_zarr_store(_store_url(store), read_only=True)
+def list_captures(store: StoreLike = None) -> Iterator[Capture]:
+    """Every complete capture in the store, trace by trace.  ``store``: a path, ``file://`` or ``s3://`` URL,
+    a zarr Store instance, or None for ``ATTN_OTEL_STORE``."""
+    zstore = _open(store)
     for trace_id in list_trace_ids(zstore):
         yield from _captures(zstore, trace_id)
 
@@ -125,16 +147,18 @@ def _captures(zstore, trace_id: str) -> list[Capture]:
     return out
 
 
-def open_trace(trace_id: str, store: str | os.PathLike | None = None) -> list[Capture]:
+def open_trace(trace_id: str, store: StoreLike = None) -> list[Capture]:
     """The complete captures of one trace (one per captured request), oldest first.
+
+    ``store``: a path, ``file://`` or ``s3://`` URL, a zarr Store instance (e.g. a wrapper that counts or
+    caches reads), or None for ``ATTN_OTEL_STORE``.
 
     Raises ``ValueError`` for a malformed trace id (before the store is touched) and
     :class:`TraceNotFound` when the store has no complete capture for it.
     """
     trace_id = check_trace_id(trace_id)
-    url = _store_url(store)
-    zstore = open_zarr_store(url, read_only=True)
+    zstore = _open(store)
     caps = _captures(zstore, trace_id)
     if not caps:
-        raise TraceNotFound(f"no capture of trace {trace_id} in {url}")
+        raise TraceNotFound(f"no capture of trace {trace_id} in {redact_url(_store_url(store))}")
     return caps

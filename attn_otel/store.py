@@ -12,18 +12,27 @@ Layout (``{store}`` is ``ATTN_OTEL_STORE``)::
     {store}/traces/{trace_id}/{request_key}/COMPLETE         JSON summary, written last
 
 A capture is visible to readers only once ``COMPLETE`` exists, so a writer killed mid-capture leaves
-nothing that ``ls``, ``fetch`` or :func:`attn_otel.open_trace` report.
+nothing that ``ls``, ``fetch`` or :func:`attn_otel.open_trace` report.  What such a writer leaves behind
+(a *partial* capture) is found by :func:`list_stored` and removed by :func:`delete_capture`
+(``attn-otel gc``).
+
+S3 (``s3://bucket/prefix``) goes through s3fs with the standard AWS credential chain; the endpoint is
+``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` when set.  Credentials in the URL itself are refused (they
+would end up in logs, span attributes and process listings).  The bucket must exist: opening the store
+checks it once and names it in the error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlunparse
 
 import numpy as np
 
@@ -66,8 +75,21 @@ class CaptureRecord:
         return n + sum(v.nbytes for v in self.metrics.values())
 
 
+def redact_url(url: str | os.PathLike) -> str:
+    """The store URL as it may appear in messages: any ``user:password@`` part replaced by ``***@``."""
+    text = os.fspath(url)
+    parsed = urlparse(text)
+    if parsed.scheme and "@" in parsed.netloc:
+        return urlunparse(parsed._replace(netloc="***@" + parsed.netloc.rsplit("@", 1)[1]))
+    return text
+
+
 def open_zarr_store(url: str | os.PathLike, *, read_only: bool = False):
-    """A zarr Store for a path, ``file://`` URL or ``s3://bucket/prefix``."""
+    """A zarr Store for a path, ``file://`` URL or ``s3://bucket/prefix``.
+
+    Raises :class:`StoreError` for an unsupported URL, a local store that does not exist (read-only), and
+    for S3: a missing bucket, denied access or an unreachable endpoint, each naming the bucket.
+    """
     from zarr.storage import LocalStore
 
     text = os.fspath(url)
@@ -80,18 +102,41 @@ def open_zarr_store(url: str | os.PathLike, *, read_only: bool = False):
             path.mkdir(parents=True, exist_ok=True)
         return LocalStore(str(path), read_only=read_only)
     if parsed.scheme == "s3":
-        from zarr.storage import FsspecStore
-
+        if "@" in parsed.netloc:
+            raise StoreError(f"store URL {redact_url(text)!r} carries credentials: use the AWS credential chain "
+                             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile or an instance role)")
+        if not parsed.netloc:
+            raise StoreError(f"store URL {text!r} names no bucket: use s3://bucket/prefix")
         try:
-            return FsspecStore.from_url(text, read_only=read_only, storage_options=_s3_options())
+            from zarr.storage import FsspecStore
+
+            store = FsspecStore.from_url(text.rstrip("/"), read_only=read_only, storage_options=_s3_options())
         except ImportError as e:
             raise StoreError(f"s3 stores need the 's3' extra (pip install 'attn-otel[s3]'): {e}") from None
-    raise StoreError(f"unsupported store URL {text!r}: use a path, file://PATH or s3://bucket/prefix")
+        _check_bucket(store, parsed.netloc)
+        return store
+    raise StoreError(f"unsupported store URL {redact_url(text)!r}: use a path, file://PATH or s3://bucket/prefix")
 
 
 def _s3_options() -> dict[str, Any]:
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    return {"asynchronous": True, **({"endpoint_url": endpoint} if endpoint else {})}
+    # No listings cache: s3fs would otherwise answer a long-lived reader's listings from memory and never
+    # show it the captures other processes wrote since.
+    return {"asynchronous": True, "use_listings_cache": False, **({"endpoint_url": endpoint} if endpoint else {})}
+
+
+def _check_bucket(store, bucket: str) -> None:
+    """One HEAD on the bucket, so that a typo is an error now and not a silently empty listing later."""
+    endpoint = getattr(store.fs, "endpoint_url", None)
+    where = f" at {endpoint}" if endpoint else ""
+    try:
+        _sync(store.fs._call_s3("head_bucket", Bucket=bucket))
+    except FileNotFoundError:
+        raise StoreError(f"S3 bucket {bucket!r} does not exist{where}") from None
+    except PermissionError:
+        raise StoreError(f"access to S3 bucket {bucket!r}{where} denied: check the AWS credentials") from None
+    except Exception as e:  # noqa: BLE001 - endpoint down, DNS, TLS: say which bucket and why, in one line
+        raise StoreError(f"cannot reach S3 bucket {bucket!r}{where}: {type(e).__name__}: {e}") from None
 
 
 def capture_prefix(trace_id: str, request_id: str) -> str:
@@ -177,15 +222,8 @@ def write_capture(store, record: CaptureRecord) -> int:
 
 
 def list_trace_ids(store) -> list[str]:
-    async def collect():
-        return [x async for x in store.list_dir("traces/")]
-
-    try:
-        names = _sync(collect())
-    except FileNotFoundError:
-        return []
     out = []
-    for n in names:
+    for n in _list_dir(store, "traces/"):
         n = n.rstrip("/")
         try:
             out.append(check_trace_id(n))
@@ -195,13 +233,9 @@ def list_trace_ids(store) -> list[str]:
 
 
 def list_request_keys(store, trace_id: str) -> list[str]:
-    async def collect():
-        return [x async for x in store.list_dir(f"traces/{check_trace_id(trace_id)}/")]
-
-    try:
-        return sorted(n.rstrip("/") for n in _sync(collect()))
-    except FileNotFoundError:
-        return []
+    """The request keys under one trace (the trace group's own ``zarr.json`` is not one)."""
+    names = (n.rstrip("/") for n in _list_dir(store, f"traces/{check_trace_id(trace_id)}/"))
+    return sorted(n for n in names if n and n != "zarr.json")
 
 
 # What readers index without a check; a marker lacking one is corrupt, not a KeyError later on.
@@ -226,3 +260,189 @@ def read_summary(store, trace_id: str, key: str) -> dict[str, Any] | None:
     except ValueError as e:
         raise StoreError(f"traces/{trace_id}/{key}/{MARKER} is not an attn-otel capture marker ({e})") from None
     return meta
+
+
+# --- what is stored, complete or not, and removing it (``attn-otel gc``) --------------------------------
+
+@dataclasses.dataclass
+class StoredCapture:
+    """One capture's objects as the store lists them: complete (marker present) or partial."""
+
+    trace_id: str
+    key: str  # the request key: :func:`attn_otel.ids.request_key` of the request id
+    complete: bool
+    nbytes: int  # stored bytes of all its objects (after compression)
+    objects: int
+    modified: float  # newest object's modification time, unix seconds
+    age_s: float | None = None  # set by collect_garbage: see capture_age
+
+    @property
+    def prefix(self) -> str:
+        return f"traces/{self.trace_id}/{self.key}"
+
+
+def _unwrap(store):
+    while hasattr(store, "_store") and not hasattr(store, "root") and not hasattr(store, "fs"):
+        store = store._store  # a zarr WrapperStore
+    return store
+
+
+def _timestamp(info: dict[str, Any]) -> float:
+    for name in ("LastModified", "mtime", "last_modified", "created"):
+        value = info.get(name)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return time.time()  # unknown: treat as new, so that nothing is collected on a guess
+
+
+def _objects(store, prefix: str) -> list[tuple[str, int, float]]:
+    """``(key, size, mtime)`` of every object under ``prefix`` (zarr's Store API has sizes but no times)."""
+    base = _unwrap(store)
+    prefix = prefix.strip("/")
+    if hasattr(base, "root"):  # LocalStore
+        root = Path(base.root)
+        out = []
+        for dirpath, _dirs, files in os.walk(root / prefix):
+            for name in files:
+                path = Path(dirpath, name)
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue  # removed while we walked
+                out.append((path.relative_to(root).as_posix(), st.st_size, st.st_mtime))
+        return out
+    if hasattr(base, "fs"):  # FsspecStore
+        top = f"{base.path}/{prefix}" if base.path else prefix
+
+        async def find():
+            try:
+                return await base.fs._find(top, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        out = []
+        for path, info in _sync(find()).items():
+            if info.get("type") == "directory":
+                continue
+            key = path[len(base.path) + 1:] if base.path else path
+            out.append((key, int(info.get("size") or 0), _timestamp(info)))
+        return out
+    raise StoreError(f"cannot list object times in a {type(base).__name__}: garbage collection needs a local or "
+                     "fsspec (S3) store")
+
+
+def list_stored(store) -> list[StoredCapture]:
+    """Every capture in the store, complete or partial, with its size and newest modification time."""
+    found: dict[tuple[str, str], StoredCapture] = {}
+    for key, size, mtime in _objects(store, "traces"):
+        parts = key.split("/")
+        if len(parts) < 4 or parts[0] != "traces":
+            continue  # group metadata of traces/ and traces/{trace_id}/, not part of a capture
+        try:
+            trace_id = check_trace_id(parts[1])
+        except ValueError:
+            continue  # foreign objects are not ours to report or delete
+        cap = found.setdefault((trace_id, parts[2]), StoredCapture(trace_id, parts[2], False, 0, 0, 0.0))
+        cap.nbytes += size
+        cap.objects += 1
+        cap.modified = max(cap.modified, mtime)
+        if len(parts) == 4 and parts[3] == MARKER:
+            cap.complete = True
+    return sorted(found.values(), key=lambda c: (c.trace_id, c.key))
+
+
+def list_partial(store, *, older_than_s: float = 0.0, now: float | None = None) -> list[StoredCapture]:
+    """Captures without a marker whose newest object is older than ``older_than_s``: what a killed writer
+    left.  A capture still being written has a fresh object, so a grace period of minutes keeps it."""
+    now = time.time() if now is None else now
+    return [c for c in list_stored(store) if not c.complete and now - c.modified > older_than_s]
+
+
+def capture_age(store, cap: StoredCapture, now: float | None = None) -> float:
+    """Seconds since a capture was made: its marker's ``created``, else (partial or unreadable marker) since
+    its newest object was written."""
+    now = time.time() if now is None else now
+    if cap.complete:
+        try:
+            meta = json.loads(_get_bytes(store, f"{cap.prefix}/{MARKER}") or b"null")
+            return now - float(meta["created"])
+        except (ValueError, TypeError, KeyError):
+            pass
+    return now - cap.modified
+
+
+def delete_capture(store, trace_id: str, key: str) -> int:
+    """Delete one capture (complete or partial) and return the bytes freed.
+
+    The marker goes first, so a reader never sees a complete capture with some of its chunks gone (S3 has
+    no atomic delete of a prefix).  The trace's own group metadata goes too once no capture is left in it.
+    """
+    trace_id = check_trace_id(trace_id)
+    if not key or "/" in key or key in (".", ".."):
+        raise ValueError(f"not a request key: {key!r}")
+    prefix = f"traces/{trace_id}/{key}"
+    objects = _objects(store, prefix)
+    if not objects:
+        return 0
+    base = _unwrap(store)
+    marker = f"{prefix}/{MARKER}"
+    if any(k == marker for k, _, _ in objects):
+        _sync(store.delete(marker))
+    rest = [k for k, _, _ in objects if k != marker]
+    if hasattr(base, "root"):
+        shutil.rmtree(Path(base.root) / prefix, ignore_errors=True)
+    elif hasattr(base, "fs") and rest:
+        _sync(base.fs._rm([f"{base.path}/{k}" if base.path else k for k in rest]))
+    else:
+        for k in rest:
+            _sync(store.delete(k))
+    _drop_empty_trace(store, trace_id)
+    return sum(size for _, size, _ in objects)
+
+
+def _drop_empty_trace(store, trace_id: str) -> None:
+    names = [n.rstrip("/") for n in _list_dir(store, f"traces/{trace_id}/")]
+    if any(n != "zarr.json" for n in names):
+        return
+    if "zarr.json" in names:
+        _sync(store.delete(f"traces/{trace_id}/zarr.json"))
+    base = _unwrap(store)
+    if hasattr(base, "root"):
+        try:
+            (Path(base.root) / "traces" / trace_id).rmdir()
+        except OSError:
+            pass  # a writer started a new capture of this trace meanwhile
+
+
+def _list_dir(store, prefix: str) -> list[str]:
+    async def collect():
+        return [x async for x in store.list_dir(prefix)]
+
+    try:
+        return _sync(collect())
+    except FileNotFoundError:
+        return []
+
+
+def collect_garbage(store, *, grace_s: float = 600.0, older_than_s: float | None = None, dry_run: bool = False,
+                    now: float | None = None) -> list[StoredCapture]:
+    """Delete partial captures idle for longer than ``grace_s`` and, with ``older_than_s``, complete captures
+    made longer ago than that.  Returns what was deleted (or, with ``dry_run``, what would be)."""
+    now = time.time() if now is None else now
+    doomed = []
+    for cap in list_stored(store):
+        if cap.complete:
+            if older_than_s is not None:
+                cap.age_s = capture_age(store, cap, now)
+                if cap.age_s > older_than_s:
+                    doomed.append(cap)
+        else:
+            cap.age_s = now - cap.modified
+            if cap.age_s > grace_s:
+                doomed.append(cap)
+    if not dry_run:
+        for cap in doomed:
+            cap.nbytes = delete_capture(store, cap.trace_id, cap.key)
+    return doomed

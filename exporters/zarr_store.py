@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..store import capture_prefix, open_zarr_store, write_capture
+from ..store import capture_prefix, open_zarr_store, redact_url, write_capture
 from ._base import ExportItem
 
 
@@ -17,7 +17,8 @@ class ZarrExporter:
         if self._store is None:
             self._store = open_zarr_store(self.store_url)
         item.bytes_written = write_capture(self._store, item.record)
-        item.uri = f"{self.store_url.rstrip('/')}/{capture_prefix(item.record.trace_id, item.record.request_id)}"
+        prefix = capture_prefix(item.record.trace_id, item.record.request_id)
+        item.uri = f"{redact_url(self.store_url).rstrip('/')}/{prefix}"  # open_zarr_store refuses credentials
 
     def shutdown(self) -> None:
         store, self._store = self._store, None

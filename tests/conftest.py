@@ -75,3 +75,39 @@ def otlp_receiver():
     receiver = OtlpReceiver().start()
     yield receiver
     receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """moto's S3 server on a loopback port (a real HTTP endpoint), shared by the session."""
+    from s3 import MotoS3
+
+    server = MotoS3()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(moto_s3, monkeypatch, tmp_path):
+    """The AWS variables pointed at the moto server for this test (and for subprocesses it starts)."""
+    env = moto_s3.env(tmp_path)
+    for name in moto_s3.UNSET:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture
+def local_backend(tmp_path):
+    from synthetic import LocalBackend
+
+    return LocalBackend(tmp_path / "store")
+
+
+@pytest.fixture
+def s3_backend(moto_s3, s3_env):
+    """A store at s3://{fresh bucket}/captures on the moto server."""
+    from s3 import S3Backend
+
+    return S3Backend(moto_s3, moto_s3.new_bucket(), env=s3_env)

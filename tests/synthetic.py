@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from numpy_metrics import per_row_metrics
 
@@ -60,3 +62,61 @@ def make_record(trace_id: str | None = None, request_id: str = "req-1", *, layer
 
 def write(store_path, record: CaptureRecord) -> None:
     write_capture(open_zarr_store(store_path), record)
+
+
+class LocalBackend:
+    """A store in a local folder, inspected with pathlib (not through attn_otel)."""
+
+    name = "local"
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.url = str(self.root)
+        self.missing_url = str(self.root.parent / "no-such-store")
+        self.missing_name = self.missing_url
+        self.env: dict[str, str] = {}
+
+    def keys(self, prefix: str = "") -> dict[str, int]:
+        """``{key: size}`` of the files under ``prefix``, keys relative to the store root."""
+        if not self.root.is_dir():
+            return {}
+        files = (p for p in self.root.rglob("*") if p.is_file())
+        return {k: p.stat().st_size for p in files if (k := p.relative_to(self.root).as_posix()).startswith(prefix)}
+
+    def outside_keys(self) -> list[str]:
+        """Files next to the store (in its parent folder) that are not inside it."""
+        parent = self.root.parent
+        return [p.relative_to(parent).as_posix() for p in parent.rglob("*")
+                if p.is_file() and self.root not in p.parents]
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    def delete(self, key: str) -> None:
+        (self.root / key).unlink()
+
+
+def big_record(trace_id: str, request_id: str, layers: int, heads: int, T: int) -> CaptureRecord:
+    """A maps capture of random float16 weights (no metrics): big enough that writing it takes a while."""
+    rng = np.random.default_rng(1)
+    maps = np.tril(rng.random((layers, heads, T, T), dtype=np.float32)).astype(np.float16)
+    return CaptureRecord(trace_id=trace_id, request_id=request_id, span_id=new_span_id(), parent_span_id=None,
+                         prompt_len=T - 1, num_tokens=T, layers=tuple(range(layers)), num_heads=heads,
+                         model="synthetic", mode="maps", maps=maps)
+
+
+if __name__ == "__main__":
+    # python synthetic.py STORE_URL TRACE_ID REQUEST_ID [LAYERS HEADS T]: a writer in a process of its own
+    # (the kill -9 test, and a store written behind a long-lived reader's back).
+    import sys
+
+    url, trace, req = sys.argv[1:4]
+    if len(sys.argv) > 4:
+        shape = [int(x) for x in sys.argv[4:7]]
+        print("writing", flush=True)
+        write(url, big_record(trace, req, *shape))
+    else:
+        write(url, make_record(trace, req)[0])
+    print("done", flush=True)

@@ -1,145 +1,237 @@
+"""The store contract: every backend (a local folder, ``s3://`` on a real S3 HTTP endpoint) passes the same
+tests, as zarr's own ``StoreTests`` do.  Each test gets a fresh store (a new folder, a new bucket)."""
+
 import json
+import math
+import subprocess
+import sys
+from collections import Counter
 
 import numpy as np
 import pytest
-from synthetic import make_record, write
+import synthetic
+from synthetic import big_record, make_record, write
+from zarr.storage import WrapperStore
 
 from attn_otel.ids import InvalidTraceId, new_trace_id
 from attn_otel.reader import TraceNotFound, list_captures, open_trace
-from attn_otel.store import MARKER, StoreError, capture_prefix, list_trace_ids, open_zarr_store
+from attn_otel.store import (MARKER, ROWS_PER_CHUNK, StoreError, capture_prefix, list_trace_ids,
+                             open_zarr_store)
 
 FP16_ATOL = 5e-4  # weights are in [0, 1]: float16 keeps 11 significant bits
 
 
-@pytest.fixture
-def store(tmp_path):
-    return tmp_path / "store"
+def _marker(record) -> str:
+    return f"{capture_prefix(record.trace_id, record.request_id)}/{MARKER}"
 
 
-def _marker(store, record):
-    return store / capture_prefix(record.trace_id, record.request_id) / MARKER
+class CountingStore(WrapperStore):
+    """Counts reads by key: what a reader really fetches from the store."""
+
+    def __init__(self, store, reads: Counter | None = None):
+        super().__init__(store)
+        self.reads = Counter() if reads is None else reads
+
+    def _with_store(self, store):
+        return type(self)(store, self.reads)
+
+    async def get(self, key, prototype, byte_range=None):
+        self.reads[key] += 1
+        return await self._store.get(key, prototype, byte_range)
+
+    async def get_partial_values(self, prototype, key_ranges):
+        key_ranges = list(key_ranges)
+        for key, _ in key_ranges:
+            self.reads[key] += 1
+        return await self._store.get_partial_values(prototype, key_ranges)
 
 
-def test_maps_read_back_equal_within_float16(store):
-    record, expected = make_record()
-    write(store, record)
-    (cap,) = open_trace(record.trace_id, store)
-    np.testing.assert_allclose(cap.maps(), expected, atol=FP16_ATOL, rtol=0)
+class StoreContract:
+    """Subclasses provide a ``backend`` fixture: ``url``, ``missing_url``, ``keys()``, ``put()``, ``delete()``."""
+
+    def test_maps_read_back_equal_within_float16(self, backend):
+        record, expected = make_record()
+        write(backend.url, record)
+        (cap,) = open_trace(record.trace_id, backend.url)
+        np.testing.assert_allclose(cap.maps(), expected, atol=FP16_ATOL, rtol=0)
+
+    def test_maps_read_back_are_causal_and_row_stochastic(self, backend):
+        record, _ = make_record(T=20)
+        write(backend.url, record)
+        maps = open_trace(record.trace_id, backend.url)[0].maps()
+        future = np.triu(np.ones((20, 20), dtype=bool), k=1)
+        assert np.all(maps[..., future] == 0)
+        np.testing.assert_allclose(maps.sum(axis=-1), 1.0, atol=20 * FP16_ATOL)
+
+    def test_metadata_reads_back(self, backend):
+        record, _ = make_record(layers=(2, 5, 9), heads=3, T=10, prompt_len=7)
+        write(backend.url, record)
+        (cap,) = open_trace(record.trace_id, backend.url)
+        assert (cap.layers, cap.num_heads, cap.num_tokens, cap.prompt_len) == ([2, 5, 9], 3, 10, 7)
+        assert cap.request_id == record.request_id
+        np.testing.assert_array_equal(cap.token_ids, record.token_ids)
+
+    def test_maps_select_model_layers_and_heads(self, backend):
+        record, expected = make_record(layers=(2, 5, 9), heads=3)
+        write(backend.url, record)
+        (cap,) = open_trace(record.trace_id, backend.url)
+        np.testing.assert_allclose(cap.maps(layers=[9, 2], heads=[1]), expected[[2, 0]][:, [1]], atol=FP16_ATOL,
+                                   rtol=0)
+
+    def test_lazy_attn_slices_a_band_of_rows(self, backend):
+        record, expected = make_record(T=16)
+        write(backend.url, record)
+        band = open_trace(record.trace_id, backend.url)[0].attn[1, 0, 4:9]
+        np.testing.assert_allclose(band, expected[1, 0, 4:9], atol=FP16_ATOL, rtol=0)
+
+    def test_capture_without_marker_is_invisible(self, backend):
+        record, _ = make_record()
+        write(backend.url, record)
+        backend.delete(_marker(record))
+        with pytest.raises(TraceNotFound):
+            open_trace(record.trace_id, backend.url)
+
+    def test_incomplete_capture_is_left_out_of_the_listing(self, backend):
+        done, _ = make_record(request_id="done")
+        half, _ = make_record(request_id="half")
+        write(backend.url, done)
+        write(backend.url, half)
+        backend.delete(_marker(half))
+        assert [c.request_id for c in list_captures(backend.url)] == ["done"]
+
+    def test_unreadable_marker_is_a_store_error_naming_the_object(self, backend):
+        record, _ = make_record()
+        write(backend.url, record)
+        backend.put(_marker(record), b"{not json")
+        with pytest.raises(StoreError, match=_marker(record)):
+            open_trace(record.trace_id, backend.url)
+
+    def test_marker_missing_fields_is_a_store_error(self, backend):
+        record, _ = make_record()
+        write(backend.url, record)
+        backend.put(_marker(record), json.dumps({"format": 1, "trace_id": record.trace_id}).encode())
+        with pytest.raises(StoreError, match="request_id"):
+            open_trace(record.trace_id, backend.url)
+
+    def test_metrics_only_capture_has_no_attn(self, backend):
+        record, _ = make_record(maps=False)
+        write(backend.url, record)
+        (cap,) = open_trace(record.trace_id, backend.url)
+        assert cap.attn is None
+        np.testing.assert_array_equal(cap.metrics["entropy"], record.metrics["entropy"])
+
+    def test_metrics_only_capture_refuses_maps(self, backend):
+        record, _ = make_record(maps=False)
+        write(backend.url, record)
+        with pytest.raises(LookupError, match="metrics only"):
+            open_trace(record.trace_id, backend.url)[0].maps()
+
+    def test_captures_of_a_trace_come_oldest_first(self, backend):
+        trace_id = new_trace_id()
+        write(backend.url, make_record(trace_id, "later", created=2_000_000_000.0)[0])
+        write(backend.url, make_record(trace_id, "earlier", created=1_000_000_000.0)[0])
+        assert [c.request_id for c in open_trace(trace_id, backend.url)] == ["earlier", "later"]
+
+    def test_hostile_request_id_stays_inside_its_trace(self, backend):
+        record, _ = make_record(request_id="../../../escaped")
+        write(backend.url, record)
+        assert backend.outside_keys() == []
+        markers = [k for k in backend.keys() if k.endswith(f"/{MARKER}")]
+        assert len(markers) == 1 and markers[0].startswith(f"traces/{record.trace_id}/")
+        assert markers[0].count("/") == 3  # traces/{trace}/{key}/COMPLETE: the key is one path segment
+        assert open_trace(record.trace_id, backend.url)[0].request_id == "../../../escaped"
+
+    def test_malformed_trace_id_is_refused_before_the_store_is_touched(self, backend):
+        # The store is missing: touching it first would raise StoreError instead.
+        with pytest.raises(InvalidTraceId):
+            open_trace("../../etc", backend.missing_url)
+
+    def test_missing_store_is_a_store_error_naming_it(self, backend):
+        with pytest.raises(StoreError, match="does not exist") as err:
+            open_trace(new_trace_id(), backend.missing_url)
+        assert backend.missing_name in str(err.value)
+
+    def test_missing_store_is_an_error_for_listing_too(self, backend):
+        with pytest.raises(StoreError, match="does not exist"):
+            list(list_captures(backend.missing_url))
+
+    def test_foreign_names_under_traces_are_not_listed(self, backend):
+        record, _ = make_record()
+        write(backend.url, record)
+        backend.put("traces/not-a-trace/zarr.json", b"{}")
+        assert list_trace_ids(open_zarr_store(backend.url, read_only=True)) == [record.trace_id]
+
+    def test_trace_group_metadata_is_not_a_request(self, backend):
+        record, _ = make_record()
+        write(backend.url, record)
+        assert f"traces/{record.trace_id}/zarr.json" in backend.keys()  # zarr writes the parent group
+        assert [c.request_id for c in open_trace(record.trace_id, backend.url)] == [record.request_id]
+
+    def test_a_capture_written_by_another_process_shows_up_for_a_long_lived_reader(self, backend):
+        first, _ = make_record()
+        write(backend.url, first)
+        assert len(list(list_captures(backend.url))) == 1
+        trace_id = new_trace_id()
+        subprocess.run([sys.executable, synthetic.__file__, backend.url, trace_id, "req-other"], check=True,
+                       capture_output=True, timeout=120)
+        assert sorted(c.trace_id for c in list_captures(backend.url)) == sorted([first.trace_id, trace_id])
+        assert open_trace(trace_id, backend.url)[0].request_id == "req-other"
+
+    def test_open_trace_takes_a_store_instance(self, backend):
+        record, expected = make_record()
+        write(backend.url, record)
+        store = CountingStore(open_zarr_store(backend.url, read_only=True))
+        (cap,) = open_trace(record.trace_id, store)
+        np.testing.assert_allclose(cap.attn[1, 1], expected[1, 1], atol=FP16_ATOL, rtol=0)
+        assert [c.trace_id for c in list_captures(store)] == [record.trace_id]
+        assert store.reads  # the reads went through the instance given
+
+    # --- chunking: a reader fetches one layer+head, or one band of query rows, and nothing else ----------
+
+    T_LONG = 1500
+
+    @pytest.fixture
+    def long_capture(self, backend):
+        record = big_record(new_trace_id(), "long", layers=2, heads=2, T=self.T_LONG)
+        write(backend.url, record)
+        store = CountingStore(open_zarr_store(backend.url, read_only=True))
+        (cap,) = open_trace(record.trace_id, store)
+        assert cap.attn.shape == (2, 2, self.T_LONG, self.T_LONG)
+        store.reads.clear()
+        return cap, store, record
+
+    @staticmethod
+    def _chunk_reads(store, cap) -> Counter:
+        return Counter({k: n for k, n in store.reads.items() if k.startswith(f"{cap.prefix}/attn/c/")})
+
+    def test_one_layer_and_head_reads_one_chunk_per_band_of_rows(self, long_capture):
+        cap, store, record = long_capture
+        head = cap.attn[1, 0]
+        chunks = self._chunk_reads(store, cap)
+        assert len(chunks) == math.ceil(self.T_LONG / ROWS_PER_CHUNK) == 6
+        assert set(chunks) == {f"{cap.prefix}/attn/c/1/0/{band}/0" for band in range(6)}
+        assert all(n == 1 for n in chunks.values())
+        assert set(store.reads) - set(chunks) <= {f"{cap.prefix}/attn/zarr.json"}  # metadata, nothing else
+        np.testing.assert_array_equal(head, record.maps[1, 0])
+
+    def test_a_band_of_rows_reads_one_chunk(self, long_capture):
+        cap, store, record = long_capture
+        band = cap.attn[0, 1, 300:400]
+        assert self._chunk_reads(store, cap) == Counter({f"{cap.prefix}/attn/c/0/1/1/0": 1})  # rows 256..511
+        assert set(store.reads) - {f"{cap.prefix}/attn/c/0/1/1/0"} <= {f"{cap.prefix}/attn/zarr.json"}
+        np.testing.assert_array_equal(band, record.maps[0, 1, 300:400])
 
 
-def test_maps_read_back_are_causal_and_row_stochastic(store):
-    record, _ = make_record(T=20)
-    write(store, record)
-    maps = open_trace(record.trace_id, store)[0].maps()
-    future = np.triu(np.ones((20, 20), dtype=bool), k=1)
-    assert np.all(maps[..., future] == 0)
-    np.testing.assert_allclose(maps.sum(axis=-1), 1.0, atol=20 * FP16_ATOL)
+class TestLocalStore(StoreContract):
+    @pytest.fixture
+    def backend(self, local_backend):
+        return local_backend
 
 
-def test_metadata_reads_back(store):
-    record, _ = make_record(layers=(2, 5, 9), heads=3, T=10, prompt_len=7)
-    write(store, record)
-    (cap,) = open_trace(record.trace_id, store)
-    assert (cap.layers, cap.num_heads, cap.num_tokens, cap.prompt_len) == ([2, 5, 9], 3, 10, 7)
-    assert cap.request_id == record.request_id
-    np.testing.assert_array_equal(cap.token_ids, record.token_ids)
-
-
-def test_maps_select_model_layers_and_heads(store):
-    record, expected = make_record(layers=(2, 5, 9), heads=3)
-    write(store, record)
-    (cap,) = open_trace(record.trace_id, store)
-    np.testing.assert_allclose(cap.maps(layers=[9, 2], heads=[1]), expected[[2, 0]][:, [1]], atol=FP16_ATOL, rtol=0)
-
-
-def test_lazy_attn_slices_a_band_of_rows(store):
-    record, expected = make_record(T=16)
-    write(store, record)
-    band = open_trace(record.trace_id, store)[0].attn[1, 0, 4:9]
-    np.testing.assert_allclose(band, expected[1, 0, 4:9], atol=FP16_ATOL, rtol=0)
-
-
-def test_capture_without_marker_is_invisible(store):
-    record, _ = make_record()
-    write(store, record)
-    _marker(store, record).unlink()
-    with pytest.raises(TraceNotFound):
-        open_trace(record.trace_id, store)
-
-
-def test_incomplete_capture_is_left_out_of_the_listing(store):
-    done, _ = make_record(request_id="done")
-    half, _ = make_record(request_id="half")
-    write(store, done)
-    write(store, half)
-    _marker(store, half).unlink()
-    assert [c.request_id for c in list_captures(store)] == ["done"]
-
-
-def test_unreadable_marker_is_a_store_error_naming_the_object(store):
-    record, _ = make_record()
-    write(store, record)
-    _marker(store, record).write_bytes(b"{not json")
-    with pytest.raises(StoreError, match=f"{capture_prefix(record.trace_id, record.request_id)}/{MARKER}"):
-        open_trace(record.trace_id, store)
-
-
-def test_marker_missing_fields_is_a_store_error(store):
-    record, _ = make_record()
-    write(store, record)
-    _marker(store, record).write_text(json.dumps({"format": 1, "trace_id": record.trace_id}))
-    with pytest.raises(StoreError, match="request_id"):
-        open_trace(record.trace_id, store)
-
-
-def test_metrics_only_capture_has_no_attn(store):
-    record, _ = make_record(maps=False)
-    write(store, record)
-    (cap,) = open_trace(record.trace_id, store)
-    assert cap.attn is None
-    np.testing.assert_array_equal(cap.metrics["entropy"], record.metrics["entropy"])
-
-
-def test_metrics_only_capture_refuses_maps(store):
-    record, _ = make_record(maps=False)
-    write(store, record)
-    with pytest.raises(LookupError, match="metrics only"):
-        open_trace(record.trace_id, store)[0].maps()
-
-
-def test_captures_of_a_trace_come_oldest_first(store):
-    trace_id = new_trace_id()
-    write(store, make_record(trace_id, "later", created=2_000_000_000.0)[0])
-    write(store, make_record(trace_id, "earlier", created=1_000_000_000.0)[0])
-    assert [c.request_id for c in open_trace(trace_id, store)] == ["earlier", "later"]
-
-
-def test_hostile_request_id_stays_inside_its_trace(store):
-    record, _ = make_record(request_id="../../../escaped")
-    write(store, record)
-    assert not (store.parent / "escaped").exists()
-    markers = list(store.rglob(MARKER))
-    assert len(markers) == 1 and markers[0].parent.parent == store / "traces" / record.trace_id
-    assert open_trace(record.trace_id, store)[0].request_id == "../../../escaped"
-
-
-def test_malformed_trace_id_is_refused_before_the_store_is_touched(tmp_path):
-    missing = tmp_path / "no-such-store"
-    with pytest.raises(InvalidTraceId):
-        open_trace("../../etc", missing)
-    assert not missing.exists()
-
-
-def test_missing_store_is_a_store_error(tmp_path):
-    with pytest.raises(StoreError, match="does not exist"):
-        open_trace(new_trace_id(), tmp_path / "no-such-store")
-
-
-def test_foreign_names_under_traces_are_not_listed(store):
-    record, _ = make_record()
-    write(store, record)
-    (store / "traces" / "not-a-trace").mkdir()
-    assert list_trace_ids(open_zarr_store(store, read_only=True)) == [record.trace_id]
+class TestS3Store(StoreContract):
+    @pytest.fixture
+    def backend(self, s3_backend):
+        return s3_backend
 
 
 def test_unsupported_store_url_is_a_store_error():
