@@ -392,17 +392,26 @@ def register_collector(registry, stats_dir: str | os.PathLike) -> AttnOtelCollec
 
 def openmetrics_route(registry):
     """A Starlette route serving ``registry`` as OpenMetrics 1.0 (exemplars included) at :data:`ROUTE`."""
-    from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST, generate_latest
+    import inspect
+
+    from prometheus_client.openmetrics import exposition
     from starlette.responses import Response
     from starlette.routing import Route
 
+    # prometheus_client 0.26's default escaping (underscores) rewrites ':' in *sample* names while keeping it
+    # in the family's TYPE line, so vLLM's ``vllm:*`` samples would reach Prometheus renamed (``vllm_*``).
+    # allow-utf-8 leaves legacy names (':' is legal in them) exactly as they are.
+    kwargs = {}
+    if "escaping" in inspect.signature(exposition.generate_latest).parameters:
+        kwargs["escaping"] = exposition.ALLOWUTF8
+
     def endpoint(request):  # sync: Starlette runs it in its thread pool (it reads small files)
         try:
-            body = generate_latest(registry)
+            body = exposition.generate_latest(registry, **kwargs)
         except Exception as e:  # noqa: BLE001
             logger.warning("attn-otel: OpenMetrics exposition failed: %s: %s", type(e).__name__, e)
             return Response(f"# exposition failed: {type(e).__name__}\n", status_code=500, media_type="text/plain")
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(body, media_type=exposition.CONTENT_TYPE_LATEST)
 
     return Route(ROUTE, endpoint, methods=["GET"], name="attn_otel_metrics")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from prometheus_client import CollectorRegistry, Counter, generate_latest, make_asgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, make_asgi_app
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from starlette.routing import Mount
 
@@ -305,6 +305,8 @@ def _vllm_like_app(registry):
 def test_openmetrics_route_serves_the_registry_with_exemplars(tmp_path):
     registry = CollectorRegistry()
     Counter("vllm_requests", "a metric of vLLM's own", registry=registry).inc()
+    Gauge("vllm:num_requests_running", "vLLM names its metrics with a colon", ["engine"], registry=registry).labels(
+        "0").set(2)
     app = _vllm_like_app(registry)
     install_api_server(app, registry, stats_dir=tmp_path)
     install_api_server(app, registry, stats_dir=tmp_path)  # the plugin may load twice
@@ -316,6 +318,7 @@ def test_openmetrics_route_serves_the_registry_with_exemplars(tmp_path):
     assert r.headers["content-type"].startswith("application/openmetrics-text; version=1.0.0")
     assert f'# {{trace_id="{TRACE_A}"}} 0.12 ' in r.text and r.text.endswith("# EOF\n")
     assert "vllm_requests_total 1.0" in r.text
+    assert '\nvllm:num_requests_running{engine="0"} 2.0\n' in r.text  # not renamed vllm_num_requests_running
     assert r.text.count("# TYPE attn_otel_sink_mass_first histogram") == 1  # the collector is registered once
     plain = client.get("/metrics")
     assert plain.status_code == 200 and plain.headers["content-type"].startswith("text/plain; version=0.0.4")
