@@ -170,7 +170,12 @@ class PrometheusExporter:
     def _timed_write(self) -> None:
         with self._lock:
             self._timer = None
-        self.write()
+        try:
+            self.write()
+        except Exception as e:  # noqa: BLE001 - no fan-out to count it here; the next export retries
+            if not getattr(self, "_warned", False):
+                self._warned = True
+                logger.warning("attn-otel: could not write %s: %s (logged once)", self.path, e)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -364,3 +364,11 @@ def test_capture_engine_to_collector(tmp_path, monkeypatch, writer):
         for name in ("entropy_norm", "sink_mass_first", "sink_mass_k", "lookback_ratio"):
             assert f'attn_otel_{name}_count{{layer="{layer}",model="tiny"}} 1.0\n' in text
     assert text.count(f'# {{trace_id="{trace}"}}') == 2 * 4 + 1  # each layer histogram, and the latency
+
+
+def test_a_snapshot_that_cannot_be_written_is_an_export_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    exp = PrometheusExporter(tmp_path / "file" / "stats")
+    fanout = build_exporters(Config(store=str(tmp_path / "store")))
+    fanout.exporters.append(exp)
+    assert set(fanout.export(ExportItem(_record()))) == {"prometheus"}  # counted as export_errors{prometheus}
