@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -242,8 +243,12 @@ class Handoff:
         self._q: queue.Queue[_Job | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="attn-otel-writer", daemon=True)
-        self._thread.start()
+        from .config import writer_count
+
+        self._threads = [threading.Thread(target=self._run, name=f"attn-otel-writer-{i}", daemon=True)
+                         for i in range(writer_count(config))]
+        for t in self._threads:
+            t.start()
         _at_exit(self._drain_at_exit)
 
     def reserve(self, nbytes: int) -> bool:
@@ -303,8 +308,10 @@ class CaptureEngine:
         self.attrs = dict(attrs or {})
         self.stats = Stats()
         self._warned: set[str] = set()
-        self._fanout = None  # the exporters, when they run in this process (ATTN_OTEL_WRITER=thread)
-        self._writer_proc = None
+        # Per writer thread: its exporters (ATTN_OTEL_WRITER=thread) or its writer process.
+        self._local = threading.local()
+        self._fanouts: list = []
+        self._writer_procs: list = []
         self.handoff = Handoff(config, self.stats, self._write)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
@@ -317,6 +324,12 @@ class CaptureEngine:
         self._compute_thread = threading.Thread(target=self._compute_loop, name="attn-otel-compute", daemon=True)
         self._compute_thread.start()
         _at_exit(self.close)  # registered after the hand-off's drain, so it runs before it
+        # Counters change on the engine loop and the compute thread too (drops there never reach a writer):
+        # a timer keeps the stats file at most a second behind.
+        self._stop_dumper = threading.Event()
+        self._dump_lock = threading.Lock()
+        if config.stats_dir:
+            threading.Thread(target=self._dump_loop, name="attn-otel-stats", daemon=True).start()
 
     # ----------------------------------------------------------------- engine-loop side (no I/O here)
     def warn_once(self, key: str, msg: str, *args: Any, exc: bool = False) -> None:
@@ -658,9 +671,11 @@ class CaptureEngine:
             self.stats.write_latencies.append(time.perf_counter() - job.t_finish)
         except Exception as e:  # noqa: BLE001
             self.stats.add("dropped", reason="store_error")
+            from .store import redact_url
+
             self.warn_once(f"store:{type(e).__name__}", "writing capture of request %s to %s failed: %s "
                            "(dropped and counted; logged once per error type)", job.record.request_id,
-                           self.config.store, e)
+                           redact_url(self.config.store), e)
         finally:
             self._dump_stats()
 
@@ -670,10 +685,12 @@ class CaptureEngine:
         per_row = job.per_row.numpy()
         rec.metrics = {name: per_row[METRICS.index(name)] for name in names}
         rec.maps = job.maps.numpy() if job.maps is not None else None
-        if self._fanout is None:
-            self._fanout = build_exporters(self.config)
+        fanout = getattr(self._local, "fanout", None)
+        if fanout is None:
+            fanout = self._local.fanout = build_exporters(self.config)
+            self._fanouts.append(fanout)
         item = ExportItem(rec, latency_s=latency)
-        errors = self._fanout.export(item)
+        errors = fanout.export(item)
         return {"ok": True, "bytes": item.bytes_written, "errors": errors}
 
     def _write_in_process(self, rec: CaptureRecord, job: _Job, names: list[str], latency: float) -> dict:
@@ -723,13 +740,17 @@ class CaptureEngine:
         import sys
 
         for _ in range(2):  # a writer that died is restarted once per capture
-            proc = self._writer_proc
+            proc = getattr(self._local, "proc", None)
             if proc is None or proc.poll() is not None:
                 if proc is not None:
                     self.warn_once("writer-died", "the writer process exited (%s); restarting it", proc.returncode)
-                proc = self._writer_proc = subprocess.Popen(
+                env = dict(os.environ)
+                if self.config.stats_dir:
+                    env["ATTN_OTEL_STATS_DIR"] = self.config.stats_dir  # an explicit Config wins
+                proc = self._local.proc = subprocess.Popen(
                     [sys.executable, "-m", "attn_otel.writer_proc", self.config.store],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+                self._writer_procs.append(proc)
             try:
                 proc.stdin.write(line + "\n")
                 proc.stdin.flush()
@@ -741,13 +762,25 @@ class CaptureEngine:
             proc.kill()
         raise RuntimeError("the writer process does not answer")
 
+    def _dump_loop(self) -> None:
+        while not self._stop_dumper.wait(1.0):
+            self._dump_stats(force=True)
+
     def _dump_stats(self, force: bool = False) -> None:
         if not self.config.stats_dir:
             return
         now = time.monotonic()
         if not force and now - getattr(self, "_last_dump", 0.0) < 1.0:
             return
-        self._last_dump = now
+        if not self._dump_lock.acquire(blocking=force):
+            return  # another thread is writing the same file right now; a forced dump waits for it
+        try:
+            self._last_dump = now
+            self._dump_stats_locked()
+        finally:
+            self._dump_lock.release()
+
+    def _dump_stats_locked(self) -> None:
         try:
             import json
             import os
@@ -755,7 +788,8 @@ class CaptureEngine:
             os.makedirs(self.config.stats_dir, exist_ok=True)
             path = os.path.join(self.config.stats_dir, f"attn-otel-stats-{os.getpid()}.json")
             snap = self.stats.snapshot(percentiles=True)
-            snap.update(tap_bytes=self.tap.nbytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
+            snap.update(queue_pending_bytes=self.handoff.pending_bytes, device_queue_pending_bytes=self._device_bytes,
+                        tap_bytes=self.tap.nbytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
                         tap_bytes_per_token=QKTap.bytes_per_token(self.layers, self.tap.dtype))
             with open(path + ".tmp", "w") as f:
                 json.dump(snap, f)
@@ -774,15 +808,21 @@ class CaptureEngine:
     def close(self) -> None:
         """Drain what is pending (bounded by EXIT_DRAIN_S), then let the exporters flush and stop."""
         self.flush(EXIT_DRAIN_S)
-        fanout, self._fanout = self._fanout, None
-        if fanout is not None:
+        self._stop_dumper.set()
+        fanouts, self._fanouts = self._fanouts, []
+        for fanout in fanouts:
             fanout.shutdown()
-        proc, self._writer_proc = self._writer_proc, None
-        if proc is not None and proc.poll() is None:
-            import subprocess
+        procs, self._writer_procs = self._writer_procs, []
+        import subprocess
 
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    proc.stdin.close()  # EOF: the writer shuts its exporters down (spans are flushed), exits
+                except OSError:
+                    pass
+        for proc in procs:
             try:
-                proc.stdin.close()  # EOF: the writer shuts its exporters down (spans are flushed) and exits
                 proc.wait(timeout=EXIT_DRAIN_S)
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 proc.kill()

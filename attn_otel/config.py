@@ -48,6 +48,11 @@ ATTN_OTEL_WRITER = "ATTN_OTEL_WRITER"
 as JSON), so storage work never competes with the engine loop for the GIL.  ``thread``: written by a
 thread of the engine process."""
 
+ATTN_OTEL_WRITERS = "ATTN_OTEL_WRITERS"
+"""How many writers run the exporters side by side (each a process with ``ATTN_OTEL_WRITER=process``).
+``0`` (default): one per 4 CPUs, at least 1 and at most 4.  Captures of one request never split across
+writers; more writers keep up with more finishing requests per second."""
+
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """``1`` (default) stores the request's token ids with its capture (``attn-otel show`` labels axes with
 them); ``0`` stores none.  Token ids never leave the store."""
@@ -56,9 +61,10 @@ ATTN_OTEL_SINK_TOKENS = "ATTN_OTEL_SINK_TOKENS"
 """k for the sink-mass metric: attention on the first k tokens (StreamingLLM).  Default 4."""
 
 ATTN_OTEL_STATS_DIR = "ATTN_OTEL_STATS_DIR"
-"""If set, each engine process writes its capture counters and latency percentiles there as
-``attn-otel-stats-{pid}.json``, at most once a second and at exit (for benchmarks and exporters that live
-in another process).  Default: unset, nothing written."""
+"""Where the engine's processes leave their counters (``attn-otel-stats-{pid}.json``, every second and at
+exit) and the writers their histograms, for the API server's ``/metrics`` to read.  ``vllm serve`` with
+``ATTN_OTEL=1`` makes a temporary one when unset (removed at exit); set it yourself only to keep the files
+(empty it between runs).  Offline, unset: nothing is written."""
 
 AUTO_LAYERS = 4
 MODES = ("off", "metrics", "maps")
@@ -132,6 +138,7 @@ class Config:
     sink_tokens: int = 4
     stats_dir: str | None = None
     writer: str = "process"
+    writers: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "Config":
@@ -161,6 +168,7 @@ class Config:
             else:
                 _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1", d.store_tokens)
         values["stats_dir"] = env.get(ATTN_OTEL_STATS_DIR, "").strip() or None
+        values["writers"] = _number(env, ATTN_OTEL_WRITERS, d.writers, int, 0, 64)
         raw = env.get(ATTN_OTEL_WRITER)
         if raw is not None:
             if raw.strip().lower() in ("process", "thread"):
@@ -184,6 +192,12 @@ def _number(env: Mapping[str, str], name: str, default, kind, lo, hi):
         _warn(name, raw, f"outside [{lo}, {hi if hi is not None else 'inf'}]", default)
         return default
     return v
+
+
+def writer_count(config: "Config") -> int:
+    if config.writers > 0:
+        return config.writers
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,9 @@ def check_trace_id(trace_id: object) -> str:
 
 def request_key(request_id: str) -> str:
     """A path-safe name for a request id: unchanged when already safe, else escaped plus a short hash."""
-    if request_id and not _SAFE.search(request_id) and request_id not in (".", "..") and len(request_id) <= 128:
+    # "zarr.json" is the trace group's own metadata object, a sibling of the request keys
+    if (request_id and not _SAFE.search(request_id) and request_id not in (".", "..", "zarr.json")
+            and len(request_id) <= 128):
         return request_id
     digest = hashlib.sha256(request_id.encode()).hexdigest()[:12]
     return _SAFE.sub("_", request_id)[:100].strip(".") + "-" + digest

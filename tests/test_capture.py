@@ -106,3 +106,34 @@ def test_both_writers_store_every_metric_under_its_own_name(tmp_path, writer):
         assert torch.allclose(torch.from_numpy(cap.metrics[name][0]), want[i], equal_nan=True), name
     assert torch.allclose(torch.from_numpy(cap.metrics["lookback_ratio"][0]), want[6], equal_nan=True)
     assert "vision_share" not in cap.metrics
+
+
+def test_a_drop_reaches_the_stats_file_without_any_write(tmp_path):
+    """Drops happen on the engine loop, where no writer runs: the stats timer still publishes them."""
+    import json
+    import os
+    import time
+
+    eng = _engine(tmp_path, queue_bytes=1000, stats_dir=str(tmp_path / "stats"))
+    eng.on_finished(_req(100, "metrics"))
+    path = tmp_path / "stats" / f"attn-otel-stats-{os.getpid()}.json"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if path.exists() and json.loads(path.read_text())["dropped"] == {"queue_full": 1}:
+            break
+        time.sleep(0.2)
+    snap = json.loads(path.read_text())
+    assert snap["dropped"] == {"queue_full": 1}
+    assert snap["queue_pending_bytes"] == 0 and snap["device_queue_pending_bytes"] == 0
+    eng.close()
+
+
+def test_several_writers_store_every_capture(tmp_path):
+    eng = _engine(tmp_path, writers=3, writer="thread")
+    traces = [new_trace_id() for _ in range(9)]
+    for i, t in enumerate(traces):
+        eng.on_finished(_req(20 + i, "metrics", trace=t))
+    assert eng.flush(60)
+    assert eng.stats.snapshot()["stored"] == 9
+    assert sorted(c.trace_id for c in attn_otel.list_captures(str(tmp_path / "store"))) == sorted(traces)
+    eng.close()

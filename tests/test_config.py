@@ -45,9 +45,17 @@ def test_every_variable_is_read():
         "ATTN_OTEL_QUEUE_BYTES": "1000",
         "ATTN_OTEL_STORE_TOKENS": "0",
         "ATTN_OTEL_SINK_TOKENS": "2",
+        "ATTN_OTEL_WRITERS": "3",
     })
     assert config == Config(store="s3://bucket/prefix", layers=(0, 8, 16), maps_sample=0.5, max_map_tokens=4096,
-                            queue_bytes=1000, store_tokens=False, sink_tokens=2)
+                            queue_bytes=1000, store_tokens=False, sink_tokens=2, writers=3)
+
+
+def test_writer_count_auto_is_between_one_and_four():
+    from attn_otel.config import writer_count
+
+    assert 1 <= writer_count(Config()) <= 4
+    assert writer_count(Config(writers=6)) == 6
 
 
 def test_blank_store_falls_back_to_the_default():
