@@ -747,8 +747,9 @@ class CaptureEngine:
                 env = dict(os.environ)
                 if self.config.stats_dir:
                     env["ATTN_OTEL_STATS_DIR"] = self.config.stats_dir  # an explicit Config wins
+                config = json.dumps(dataclasses.asdict(self.config))  # the writer uses this very Config
                 proc = self._local.proc = subprocess.Popen(
-                    [sys.executable, "-m", "attn_otel.writer_proc", self.config.store],
+                    [sys.executable, "-m", "attn_otel.writer_proc", self.config.store, config],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
                 self._writer_procs.append(proc)
             try:

@@ -434,6 +434,8 @@ METRIC_COLUMNS = (
 def _summary(cap: Capture) -> dict:
     from .metrics import summarize
 
+    if not cap.has_row_metrics and cap.meta.get("summary_metrics") is not None:
+        return _read(cap, "summary", cap.summary)
     per_row = _read(cap, "metrics", lambda: cap.metrics)
     if not per_row:
         raise CliError(f"request {_printable(cap.request_id)!r} of trace {cap.trace_id} has no stored metrics")

@@ -53,6 +53,12 @@ ATTN_OTEL_WRITERS = "ATTN_OTEL_WRITERS"
 ``0`` (default): one per 4 CPUs, at least 1 and at most 4.  Captures of one request never split across
 writers; more writers keep up with more finishing requests per second."""
 
+ATTN_OTEL_ROW_METRICS = "ATTN_OTEL_ROW_METRICS"
+"""Which captures store their per-row metrics (``metrics/{name}`` ``[layers, heads, T]``): ``maps`` (default)
+only the captures whose maps are stored; ``all`` every capture.  Every capture stores its summary (means
+and quantiles per layer and head, a few kB).  At production rates rows for every request are the bulk of
+the store's traffic (about 2.8 MB per 768-token request on four 32-head layers)."""
+
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """``1`` (default) stores the request's token ids with its capture (``attn-otel show`` labels axes with
 them); ``0`` stores none.  Token ids never leave the store."""
@@ -139,6 +145,7 @@ class Config:
     stats_dir: str | None = None
     writer: str = "process"
     writers: int = 0
+    row_metrics: str = "maps"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "Config":
@@ -169,6 +176,12 @@ class Config:
                 _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1", d.store_tokens)
         values["stats_dir"] = env.get(ATTN_OTEL_STATS_DIR, "").strip() or None
         values["writers"] = _number(env, ATTN_OTEL_WRITERS, d.writers, int, 0, 64)
+        raw = env.get(ATTN_OTEL_ROW_METRICS)
+        if raw is not None:
+            if raw.strip().lower() in ("maps", "all"):
+                values["row_metrics"] = raw.strip().lower()
+            else:
+                _warn(ATTN_OTEL_ROW_METRICS, raw, "expected maps or all", d.row_metrics)
         raw = env.get(ATTN_OTEL_WRITER)
         if raw is not None:
             if raw.strip().lower() in ("process", "thread"):

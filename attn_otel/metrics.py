@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -109,3 +109,46 @@ def to_json(capture, summary: Mapping[str, Mapping[str, Any]] | None = None) -> 
         "layers": [int(x) for x in capture.layers],
         **{part: {name: _json_matrix(summary[part][name]) for name in _names(part)} for part in PARTS},
     }
+
+
+SUMMARY_STATS = ("mean", "p10", "p50", "p90")
+SUMMARY_METRICS = COMMON + GENERATED_ONLY
+
+
+def summary_to_array(summary: Mapping[str, Mapping[str, Any]], num_layers: int, num_heads: int) -> np.ndarray:
+    """:func:`summarize`'s output as one float32 array ``[part, metric, stat, layer, head]`` (axes
+    :data:`PARTS`, :data:`SUMMARY_METRICS`, :data:`SUMMARY_STATS`); NaN where a value is undefined or
+    the metric is absent.  What a capture without per-row metrics stores (a few kB instead of rows)."""
+    out = np.full((len(PARTS), len(SUMMARY_METRICS), len(SUMMARY_STATS), num_layers, num_heads), np.nan,
+                  dtype=np.float32)
+    for pi, part in enumerate(PARTS):
+        for mi, name in enumerate(SUMMARY_METRICS):
+            stats = summary.get(part, {}).get(name)
+            if stats is None:
+                continue
+            for si, stat in enumerate(SUMMARY_STATS):
+                out[pi, mi, si] = np.asarray(stats[stat], dtype=np.float32)
+    return out
+
+
+def summary_from_array(arr: np.ndarray, present: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The inverse of :func:`summary_to_array` (``layer_mean`` recomputed from the head means, as
+    :func:`summarize` does); metrics not in ``present`` are ``None``."""
+    arr = np.asarray(arr, dtype=np.float64)
+    out: dict[str, dict[str, Any]] = {}
+    for pi, part in enumerate(PARTS):
+        out[part] = {}
+        for mi, name in enumerate(SUMMARY_METRICS):
+            if name not in _names(part):
+                continue
+            if name not in present:
+                out[part][name] = None
+                continue
+            stats = {stat: arr[pi, mi, si] for si, stat in enumerate(SUMMARY_STATS)}
+            mean = stats["mean"]
+            heads = ~np.isnan(mean)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                stats["layer_mean"] = np.where(heads.any(-1), np.where(heads, mean, 0.0).sum(-1)
+                                               / np.maximum(heads.sum(-1), 1), np.nan)
+            out[part][name] = stats
+    return out

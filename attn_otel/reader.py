@@ -99,12 +99,26 @@ class Capture:
         g = self.group["metrics"]
         return {name: np.asarray(g[name][...]) for name in self.meta["metrics"]}
 
+    @property
+    def has_row_metrics(self) -> bool:
+        return bool(self.meta.get("metrics"))
+
     def summary(self) -> dict[str, dict[str, Any]]:
         """:func:`attn_otel.metrics.summarize` of this capture's metrics: per-(layer, head) means and
-        quantiles over the prompt rows and over the generated rows."""
-        from .metrics import summarize
+        quantiles over the prompt rows and over the generated rows.  From the per-row metrics when they
+        were stored (``ATTN_OTEL_ROW_METRICS``), else from the stored summary."""
+        from .metrics import summarize, summary_from_array
 
-        return summarize(self.metrics, self.prompt_len)
+        if self.has_row_metrics or self.meta.get("summary_metrics") is None:
+            return summarize(self.metrics, self.prompt_len)
+        try:
+            arr = np.asarray(self.group["summary"][...])
+            expected = (2, 7, 4, len(self.layers), self.num_heads)
+            if arr.shape != expected:
+                raise ValueError(f"shape {list(arr.shape)}, expected {list(expected)}")
+        except (KeyError, ValueError) as e:
+            raise StoreError(f"{self.prefix}/summary is not an attn-otel summary ({e})") from None
+        return summary_from_array(arr, self.meta["summary_metrics"])
 
     def layer_index(self, layer: int) -> int:
         try:

@@ -185,22 +185,31 @@ def summary(record: CaptureRecord) -> dict[str, Any]:
     }
 
 
-def write_capture(store, record: CaptureRecord) -> int:
+def write_capture(store, record: CaptureRecord, *, rows: bool = True,
+                  summary: dict[str, Any] | None = None) -> int:
     """Write one capture, marker last.  Returns the bytes handed to the store (before compression).
+
+    ``rows=False`` leaves the per-row metrics out; ``summary`` (:func:`attn_otel.metrics.summarize` of
+    them) is then stored as one small ``summary`` array ``[part, metric, stat, layer, head]``.
 
     Every array of the capture is created and written concurrently (one round of zarr's async I/O, not one
     per array: on S3 that is one round trip's latency instead of a dozen); the ``COMPLETE`` marker goes
     only after all of them have landed."""
-    return _sync(_write_capture(store, record))
+    return _sync(_write_capture(store, record, rows, summary))
 
 
-async def _write_capture(store, record: CaptureRecord) -> int:
+async def _write_capture(store, record: CaptureRecord, rows: bool = True,
+                         summary_stats: dict[str, Any] | None = None) -> int:
     import asyncio
 
     from zarr.api.asynchronous import open_group
 
     prefix = capture_prefix(record.trace_id, record.request_id)
     meta = summary(record)
+    if not rows:
+        meta["metrics"] = []
+    if summary_stats is not None:
+        meta["summary_metrics"] = sorted(n for n in record.metrics)
     group = await open_group(store=store, path=prefix, mode="w", attributes={"attn_otel": meta})
     written = 0
     jobs = []
@@ -222,7 +231,15 @@ async def _write_capture(store, record: CaptureRecord) -> int:
         written += record.token_ids.nbytes
     if record.vision_mask is not None:
         jobs.append(group.create_array("vision_mask", data=np.asarray(record.vision_mask, dtype=bool)))
-    if record.metrics:
+    if summary_stats is not None:
+        from .metrics import PARTS, SUMMARY_METRICS, SUMMARY_STATS, summary_to_array
+
+        arr = summary_to_array(summary_stats, len(record.layers), int(record.num_heads))
+        jobs.append(group.create_array("summary", data=arr, attributes={
+            "axes": ["part", "metric", "stat", "layer", "head"], "parts": list(PARTS),
+            "metrics": list(SUMMARY_METRICS), "stats": list(SUMMARY_STATS)}))
+        written += arr.nbytes
+    if record.metrics and rows:
         async def metrics():
             mg = await group.create_group("metrics")
             await asyncio.gather(*(mg.create_array(name, data=np.ascontiguousarray(value, dtype=np.float32))

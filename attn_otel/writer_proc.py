@@ -31,10 +31,20 @@ def _attach(name: str):
     return shm
 
 
-def serve(store_url: str, stdin=None, stdout=None) -> None:
+def _config(store_url: str, config_json: str | None):
+    from .config import Config
+
+    if not config_json:
+        return Config.from_env(store=store_url)
+    fields = json.loads(config_json)
+    if isinstance(fields.get("layers"), list):
+        fields["layers"] = tuple(fields["layers"])
+    return Config(**{**fields, "store": store_url})
+
+
+def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = None) -> None:
     import numpy as np
 
-    from .config import Config
     from .exporters import ExportItem, build_exporters
     from .store import CaptureRecord
 
@@ -57,7 +67,7 @@ def serve(store_url: str, stdin=None, stdout=None) -> None:
             rec = CaptureRecord(**msg["record"], token_ids=views.get("token_ids"), maps=views.get("maps"),
                                 vision_mask=views.get("vision_mask"), metrics=metrics)
             if fanout is None:
-                fanout = build_exporters(Config.from_env(store=store_url))
+                fanout = build_exporters(_config(store_url, config_json))
             item = ExportItem(rec, latency_s=float(msg.get("latency_s", 0.0)))
             errors = fanout.export(item)
             reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors}
@@ -77,4 +87,4 @@ def serve(store_url: str, stdin=None, stdout=None) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], config_json=sys.argv[2] if len(sys.argv) > 2 else None)

@@ -85,7 +85,7 @@ def build_exporters(config: Config) -> FanOut:
     Prometheus when their libraries are importable and they are not turned off."""
     from .zarr_store import ZarrExporter
 
-    exporters: list[Exporter] = [ZarrExporter(config.store)]
+    exporters: list[Exporter] = [ZarrExporter(config.store, config.row_metrics)]
     for module, cls in (("otel", "OtelExporter"), ("prometheus", "PrometheusExporter")):
         try:
             mod = __import__(f"{__name__.rsplit('.', 1)[0]}.{module}", fromlist=[cls])

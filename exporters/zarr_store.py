@@ -9,14 +9,18 @@ from ._base import ExportItem
 class ZarrExporter:
     name = "zarr"
 
-    def __init__(self, store_url: str):
+    def __init__(self, store_url: str, row_metrics: str = "maps"):
         self.store_url = str(store_url)
+        self.row_metrics = row_metrics  # ATTN_OTEL_ROW_METRICS: "maps" or "all"
         self._store = None
 
     def export(self, item: ExportItem) -> None:
         if self._store is None:
             self._store = open_zarr_store(self.store_url)
-        item.bytes_written = write_capture(self._store, item.record)
+        rec = item.record
+        rows = self.row_metrics == "all" or rec.maps is not None
+        item.bytes_written = write_capture(self._store, rec, rows=rows,
+                                           summary=item.summary if rec.metrics else None)
         prefix = capture_prefix(item.record.trace_id, item.record.request_id)
         item.uri = f"{redact_url(self.store_url).rstrip('/')}/{prefix}"  # open_zarr_store refuses credentials
 

@@ -15,8 +15,9 @@ from attn_otel.ids import new_span_id, new_trace_id
 SPEC = LayerSpec(index=0, name="l0", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
 
 
-def _engine(tmp_path, **cfg):
-    eng = CaptureEngine(Config(store=str(tmp_path / "store"), **cfg), [SPEC], 256, torch.float32, "cpu")
+def _engine(tmp_path, store="store", **cfg):
+    cfg.setdefault("row_metrics", "all")
+    eng = CaptureEngine(Config(store=str(tmp_path / store), **cfg), [SPEC], 256, torch.float32, "cpu")
     eng.tap.write(0, torch.randn(200, 64), torch.randn(200, 32), torch.arange(200))
     return eng
 
@@ -136,4 +137,45 @@ def test_several_writers_store_every_capture(tmp_path):
     assert eng.flush(60)
     assert eng.stats.snapshot()["stored"] == 9
     assert sorted(c.trace_id for c in attn_otel.list_captures(str(tmp_path / "store"))) == sorted(traces)
+    eng.close()
+
+
+def test_by_default_metrics_only_captures_store_their_summary_not_rows(tmp_path):
+    """ATTN_OTEL_ROW_METRICS=maps (the default): rows only with maps; the stored summary equals the
+    summary of the rows (here, the same tap captured with rows)."""
+    import numpy as np
+
+    from attn_otel.cli import main
+
+    trace = new_trace_id()
+    summaries = {}
+    for rows in ("maps", "all"):
+        eng = _engine(tmp_path, store=rows, row_metrics=rows)
+        torch.manual_seed(0)
+        eng.tap.write(0, torch.randn(200, 64), torch.randn(200, 32), torch.arange(200))
+        eng.on_finished(_req(100, "metrics", trace=trace))
+        assert eng.flush(30)
+        (cap,) = attn_otel.open_trace(trace, str(tmp_path / rows))
+        assert cap.has_row_metrics == (rows == "all")
+        summaries[rows] = cap.summary()
+        eng.close()
+    assert attn_otel.open_trace(trace, str(tmp_path / "maps"))[0].metrics == {}
+    for part, names in summaries["all"].items():
+        for name, stats in names.items():
+            got = summaries["maps"][part][name]
+            if stats is None:
+                assert got is None, (part, name)
+                continue
+            for stat in ("mean", "p10", "p50", "p90", "layer_mean"):
+                np.testing.assert_allclose(got[stat], stats[stat], rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert main(["metrics", trace, "--store", str(tmp_path / "maps")]) == 0
+
+
+def test_maps_captures_keep_their_rows_by_default(tmp_path):
+    eng = _engine(tmp_path, row_metrics="maps")
+    trace = new_trace_id()
+    eng.on_finished(_req(30, "maps", trace=trace))
+    assert eng.flush(30)
+    (cap,) = attn_otel.open_trace(trace, str(tmp_path / "store"))
+    assert cap.has_maps and cap.has_row_metrics and cap.metrics["entropy"].shape == (1, 4, 30)
     eng.close()
