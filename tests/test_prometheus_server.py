@@ -1,13 +1,8 @@
 """A real Prometheus scrapes a live vLLM OpenAI server (CPU build, ATTN_OTEL=1): per-layer series through
 PromQL on both vLLM's ``/metrics`` and ``/attn-otel/metrics``, and an exemplar's trace id fetches the maps."""
 
-import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import numpy as np
@@ -15,80 +10,23 @@ import pytest
 
 import attn_otel
 import prom
-from attn_otel.ids import new_span_id, new_trace_id
+from conftest import SCRAPED_LAYERS, SCRAPED_PROMPTS
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(not prom.available(), reason="Prometheus is installed by setup.sh")]
 
 LAYERS = {"0", "10", "19", "29"}  # ATTN_OTEL_LAYERS=auto on SmolLM2's 30 layers
-PROMPTS = ["The capital of France is", "Mountain goats can climb", "The old lighthouse keeper climbed the stairs"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PROMPTS = SCRAPED_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def scraped(smollm2_path, tmp_path_factory):
-    """vLLM's server with capture on and maps for every request, three requests sent, and a Prometheus that
-    scrapes it (``attn-otel`` job: /attn-otel/metrics, ``vllm`` job: /metrics) until it saw them all."""
-    store = tmp_path_factory.mktemp("prom-store")
-    port = _free_port()
-    env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "ATTN_OTEL_STATS_DIR", "ATTN_OTEL_LAYERS", "PROMETHEUS_MULTIPROC_DIR"):
-        env.pop(name, None)
-    log_path = tmp_path_factory.mktemp("prom-server-log") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_path,
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    stop = None
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                if time.monotonic() > deadline:
-                    pytest.fail("vLLM server did not come up in 600 s")
-                time.sleep(2)
-        target = f"127.0.0.1:{port}"
-        url, stop = prom.start([("attn-otel", target, "/attn-otel/metrics"), ("vllm", target, "/metrics")],
-                               workdir=tmp_path_factory.mktemp("prometheus"))
-        prom.wait_for(url, 'count(up == 1)', lambda v: v == 2, timeout=30)
-        traces = []
-        for i, prompt in enumerate(PROMPTS):
-            trace = new_trace_id()
-            body = {"model": smollm2_path, "prompt": prompt, "max_tokens": 6, "temperature": 0,
-                    "vllm_xargs": {"traceparent": f"00-{trace}-{new_span_id()}-01"}}
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                assert r.status == 200
-            traces.append(trace)
-            # One capture at a time, more than a second apart: the engine writes its counters file at most once
-            # a second and only after a write (CaptureEngine._dump_stats), so a burst leaves them stale.
-            prom.wait_for(url, 'sum(attn_otel_sink_mass_first_count{job="attn-otel"})',
-                          lambda v: v >= (i + 1) * len(LAYERS), timeout=120)
-            time.sleep(1.1)
-        # every capture observed once per captured layer, seen by both scrape jobs
-        for job in ("attn-otel", "vllm"):
-            prom.wait_for(url, f'sum(attn_otel_sink_mass_first_count{{job="{job}"}})',
-                          lambda v: v >= len(PROMPTS) * len(LAYERS), timeout=60)
-            prom.wait_for(url, f'sum(attn_otel_captures_stored_total{{job="{job}"}})',
-                          lambda v: v >= len(PROMPTS), timeout=60)
-        yield url, port, store, traces
-    finally:
-        if stop is not None:
-            stop()
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-        log.close()
+def scraped(scraped_server):
+    """conftest's session-wide server (capture on, maps for every request) after its three traced requests
+    and one ``attn_otel: off`` request, scraped by a real Prometheus (``attn-otel`` job: /attn-otel/metrics,
+    ``vllm`` job: /metrics) until it saw them all."""
+    s = scraped_server
+    assert len(s.traces) == len(PROMPTS) and set(LAYERS) == SCRAPED_LAYERS
+    return s.url, s.port, s.store, s.traces
 
 
 def _layers(result):
