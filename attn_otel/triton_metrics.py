@@ -6,9 +6,9 @@ slot index (one launch per layer for all the requests that finish in a step, no 
 alive on the device but the small ``[7, Hq, T]`` result); :func:`row_metrics` is the same kernel on
 contiguous ``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]``.  NaN where a metric is undefined.
 
-Each program takes a block of query rows of one head of one layer and walks its causal keys twice: first
-the running max and sum of exp (as FlashAttention does), then the normalised probabilities feed the
-entropy, sink, vision and lookback sums.  Logits are float32 accumulations of the model's own bf16/fp16
+Each program takes a block of query rows of one head of one layer and walks its causal keys once, keeping
+the running max and, relative to it, the sum of exp and the entropy, sink, vision and lookback sums (all
+rescaled when the max grows, as FlashAttention keeps its softmax).  Logits are float32 accumulations of the model's own bf16/fp16
 Q and K, like the attention kernels vLLM runs.
 """
 
@@ -49,22 +49,12 @@ if triton is not None:
         srow = tl.load(SL + start + rows, mask=row_ok, other=0)
         q = tl.load(Q + srow[:, None] * sq_t + h * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
         hi = tl.minimum((pid_m + 1) * BLOCK_M, T)
+        # One pass, online (as FlashAttention keeps its softmax): every sum is kept relative to the running
+        # max m and rescaled by exp(m_old - m_new) when m grows.  h1 = sum e^(s-m) (s-m), so the entropy is
+        # log l - h1 / l.
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        for kstart in range(0, hi, BLOCK_N):
-            cols = kstart + tl.arange(0, BLOCK_N)
-            scol = tl.load(SL + start + cols, mask=cols < T, other=0)
-            kt = tl.load(K + scol[:, None] * sk_t + kvh * sk_h + dd[None, :], mask=(cols < T)[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kt)) * scale
-            valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T)
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
-            m_i = m_new
-        m_i = tl.where(row_ok, m_i, 0.0)
-        l_i = tl.where(row_ok, l_i, 1.0)
-        ent = tl.zeros([BLOCK_M], tl.float32)
+        h1 = tl.zeros([BLOCK_M], tl.float32)
         s0 = tl.zeros([BLOCK_M], tl.float32)
         sk = tl.zeros([BLOCK_M], tl.float32)
         vis = tl.zeros([BLOCK_M], tl.float32)
@@ -76,15 +66,30 @@ if triton is not None:
             kt = tl.load(K + scol[:, None] * sk_t + kvh * sk_h + dd[None, :], mask=(cols < T)[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kt)) * scale
             valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & row_ok[:, None]
-            p = tl.where(valid, tl.exp(s - m_i[:, None]) / l_i[:, None], 0.0)
-            ent += tl.sum(tl.where(p > 0, -p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), 1)
-            s0 += tl.sum(tl.where(cols[None, :] == 0, p, 0.0), 1)
-            sk += tl.sum(tl.where(cols[None, :] < KS, p, 0.0), 1)
-            ctx += tl.sum(tl.where(cols[None, :] < N, p, 0.0), 1)
-            gen += tl.sum(tl.where((cols[None, :] >= N) & (cols[None, :] < rows[:, None]), p, 0.0), 1)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - m_safe))
+            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)
+            d = tl.where(valid, s - m_safe[:, None], 0.0)
+            e = tl.where(valid, tl.exp(d), 0.0)
+            h1 = alpha * (h1 + shift * l_i) + tl.sum(e * d, 1)
+            l_i = l_i * alpha + tl.sum(e, 1)
+            s0 = s0 * alpha + tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
+            sk = sk * alpha + tl.sum(tl.where(cols[None, :] < KS, e, 0.0), 1)
+            ctx = ctx * alpha + tl.sum(tl.where(cols[None, :] < N, e, 0.0), 1)
+            gen = gen * alpha + tl.sum(tl.where((cols[None, :] >= N) & (cols[None, :] < rows[:, None]), e, 0.0), 1)
             if HAS_VISION:
                 vm = tl.load(VM + start + cols, mask=cols < T, other=0.0)
-                vis += tl.sum(p * vm[None, :], 1)
+                vis = vis * alpha + tl.sum(e * vm[None, :], 1)
+            m_i = m_new
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+        ent = tl.maximum(tl.log(tl.where(l_i > 0, l_i, 1.0)) - h1 * inv, 0.0)
+        s0 = s0 * inv
+        sk = sk * inv
+        ctx = ctx * inv
+        gen = gen * inv
+        vis = vis * inv
         nan = float("nan")
         rf = rows.to(tl.float32)
         base = OUT + h * so_h + start + rows
