@@ -285,9 +285,16 @@ class Handoff:
             finally:
                 self.release(job.nbytes)
 
+    def begin_closing(self, seconds: float) -> float:
+        """From now on, exit is near: jobs still queued ``seconds`` from the first call are dropped
+        (``shutdown``).  Returns that deadline, shared by every step of the exit."""
+        if not self._closing:
+            self._closing = time.monotonic() + seconds
+        return self._closing
+
     def _drain_at_exit(self) -> None:
-        self._closing = time.monotonic() + EXIT_DRAIN_S
-        self.flush(EXIT_DRAIN_S + 1)
+        deadline = self.begin_closing(EXIT_DRAIN_S)
+        self.flush(max(0.0, deadline - time.monotonic()) + 0.1)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._idle.wait(timeout)
@@ -742,6 +749,8 @@ class CaptureEngine:
         for _ in range(2):  # a writer that died is restarted once per capture
             proc = getattr(self._local, "proc", None)
             if proc is None or proc.poll() is not None:
+                if proc is not None and self.handoff._closing:
+                    raise RuntimeError("the writer process is gone at shutdown")  # killed by close(): no restart
                 if proc is not None:
                     self.warn_once("writer-died", "the writer process exited (%s); restarting it", proc.returncode)
                 env = dict(os.environ)
@@ -807,8 +816,10 @@ class CaptureEngine:
         return done
 
     def close(self) -> None:
-        """Drain what is pending (bounded by EXIT_DRAIN_S), then let the exporters flush and stop."""
-        self.flush(EXIT_DRAIN_S)
+        """Drain what is pending, then let the exporters flush and stop: all of it within EXIT_DRAIN_S, one
+        deadline for every step (a writer stuck on a store that does not answer is killed at it)."""
+        deadline = self.handoff.begin_closing(EXIT_DRAIN_S)
+        self.flush(max(0.0, deadline - time.monotonic()))
         self._stop_dumper.set()
         fanouts, self._fanouts = self._fanouts, []
         for fanout in fanouts:
@@ -824,6 +835,6 @@ class CaptureEngine:
                     pass
         for proc in procs:
             try:
-                proc.wait(timeout=EXIT_DRAIN_S)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()

@@ -72,6 +72,14 @@ exit) and the writers their histograms, for the API server's ``/metrics`` to rea
 ``ATTN_OTEL=1`` makes a temporary one when unset (removed at exit); set it yourself only to keep the files
 (empty it between runs).  Offline, unset: nothing is written."""
 
+ATTN_OTEL_S3_TIMEOUT_S = "ATTN_OTEL_S3_TIMEOUT_S"
+"""Seconds an S3 request may wait to connect, and then between bytes of the answer, before it is abandoned
+(each attempt; botocore's standard retry mode makes 3 attempts, ``AWS_MAX_ATTEMPTS`` overrides).  Bounds how
+long an S3 endpoint that stops answering can hold a writer: a capture is then dropped and counted
+(``store_error``) and the next one tries again.  Default 10."""
+
+S3_TIMEOUT_S = 10.0
+S3_MAX_ATTEMPTS = 3
 AUTO_LAYERS = 4
 MODES = ("off", "metrics", "maps")
 
@@ -207,6 +215,12 @@ def _number(env: Mapping[str, str], name: str, default, kind, lo, hi):
     return v
 
 
+def s3_timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """:data:`ATTN_OTEL_S3_TIMEOUT_S` (a bad value: a logged warning and the default)."""
+    env = os.environ if env is None else env
+    return float(_number(env, ATTN_OTEL_S3_TIMEOUT_S, S3_TIMEOUT_S, float, 0.1, 3600.0))
+
+
 def writer_count(config: "Config") -> int:
     if config.writers > 0:
         return config.writers
@@ -259,5 +273,11 @@ def parse_request_options(extra_args: Mapping[str, object] | None) -> RequestOpt
 
 
 def _short(v: object) -> str:
-    s = repr(v)
+    import reprlib
+
+    short = reprlib.Repr()  # a hostile 10 MB string or a million-item list is never repr'd in full
+    short.maxstring = short.maxother = 60
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 6
+    short.maxlevel = 2
+    s = short.repr(v)
     return s if len(s) <= 60 else s[:57] + "..."

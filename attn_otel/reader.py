@@ -9,6 +9,7 @@ import numpy as np
 
 from .config import ATTN_OTEL_STORE, Config
 from .ids import check_trace_id
+from .store import MARKER as MARKER_NAME
 from .store import StoreError, list_request_keys, list_trace_ids, open_zarr_store, read_summary, redact_url
 
 if TYPE_CHECKING:
@@ -73,31 +74,58 @@ class Capture:
                 raise StoreError(f"{self.prefix} is not a readable attn-otel capture: {e}") from None
         return self._group
 
+    def _array(self, name: str, shape: tuple[int, ...], kind: str):
+        """The stored array ``name``, checked against the marker before anything is read: a foreign or
+        damaged object is a :class:`StoreError` naming it, never zarr's own KeyError or a huge allocation."""
+        where = f"{self.prefix}/{name}"
+        try:
+            arr = self.group[name]
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - missing, foreign metadata, unknown codec: one clear error
+            raise StoreError(f"{where} is not a readable attn-otel array ({type(e).__name__}: {e})") from None
+        if not hasattr(arr, "shape") or tuple(arr.shape) != shape or np.dtype(arr.dtype).kind not in kind:
+            raise StoreError(f"{where} is not what its capture marker describes (shape "
+                             f"{tuple(getattr(arr, 'shape', ()))}, dtype {getattr(arr, 'dtype', '?')}; expected "
+                             f"{shape})")
+        return arr
+
+    def _read(self, name: str, arr, index=...) -> np.ndarray:
+        try:
+            return np.asarray(arr[index])
+        except Exception as e:  # noqa: BLE001 - a damaged chunk: say which capture and array
+            raise StoreError(f"{self.prefix}/{name}: cannot read ({type(e).__name__}: {e})") from None
+
     @property
     def attn(self):
         if not self.has_maps:
             return None
-        return self.group["attn"]
+        T = self.num_tokens
+        return self._array("attn", (len(self.layers), self.num_heads, T, T), "f")
 
     @property
     def token_ids(self) -> np.ndarray | None:
         if not self.meta.get("token_ids"):
             return None
-        return np.asarray(self.group["token_ids"][...])
+        return self._read("token_ids", self._array("token_ids", (self.num_tokens,), "iu"))
 
     @property
     def vision_mask(self) -> np.ndarray | None:
         """bool [T]: positions holding image embeddings (from ``PlaceholderRange.is_embed``), or None."""
         if not self.meta.get("vision_mask"):
             return None
-        return np.asarray(self.group["vision_mask"][...], dtype=bool)
+        return self._read("vision_mask", self._array("vision_mask", (self.num_tokens,), "b")).astype(bool)
 
     @property
     def metrics(self) -> dict[str, np.ndarray]:
-        if not self.meta.get("metrics"):
+        names = self.meta.get("metrics")
+        if not names:
             return {}
-        g = self.group["metrics"]
-        return {name: np.asarray(g[name][...]) for name in self.meta["metrics"]}
+        if not isinstance(names, list) or not all(isinstance(n, str) and n.isidentifier() for n in names):
+            raise StoreError(f"{self.prefix}/{MARKER_NAME} lists malformed metric names")
+        shape = (len(self.layers), self.num_heads, self.num_tokens)
+        return {name: self._read(f"metrics/{name}", self._array(f"metrics/{name}", shape, "f"))
+                for name in names}
 
     @property
     def has_row_metrics(self) -> bool:
@@ -139,7 +167,7 @@ class Capture:
         out = np.empty((len(li), len(hi), self.num_tokens, self.num_tokens), dtype=np.float32)
         for a, l in enumerate(li):
             for b, h in enumerate(hi):
-                out[a, b] = arr[l, int(h)]
+                out[a, b] = self._read("attn", arr, (l, int(h)))
         return out
 
 

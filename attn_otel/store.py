@@ -113,16 +113,28 @@ def open_zarr_store(url: str | os.PathLike, *, read_only: bool = False):
             store = FsspecStore.from_url(text.rstrip("/"), read_only=read_only, storage_options=_s3_options())
         except ImportError as e:
             raise StoreError(f"s3 stores need the 's3' extra (pip install 'attn-otel[s3]'): {e}") from None
+        # botocore's standard mode already retries transient errors with backoff; s3fs's own loop on top
+        # (5 tries by default) would multiply every timeout by five.
+        store.fs.retries = 1
         _check_bucket(store, parsed.netloc)
         return store
     raise StoreError(f"unsupported store URL {redact_url(text)!r}: use a path, file://PATH or s3://bucket/prefix")
 
 
 def _s3_options() -> dict[str, Any]:
+    from .config import S3_MAX_ATTEMPTS, s3_timeout_s
+
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    # Bounded waits: botocore's defaults (60 s to connect, 60 s per read, 5 legacy attempts) under s3fs's own
+    # 5 retries would let an endpoint that stops answering hold a writer for many minutes per request.
+    timeout = s3_timeout_s()
+    config: dict[str, Any] = {"connect_timeout": timeout, "read_timeout": timeout}
+    if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+        config["retries"] = {"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"}  # the standard env wins
     # No listings cache: s3fs would otherwise answer a long-lived reader's listings from memory and never
     # show it the captures other processes wrote since.
-    return {"asynchronous": True, "use_listings_cache": False, **({"endpoint_url": endpoint} if endpoint else {})}
+    return {"asynchronous": True, "use_listings_cache": False, "config_kwargs": config,
+            **({"endpoint_url": endpoint} if endpoint else {})}
 
 
 def _check_bucket(store, bucket: str) -> None:
