@@ -105,7 +105,8 @@ def test_the_exporter_writes_to_s3_and_names_the_object(s3_backend):
     exporter.export(item)
     exporter.shutdown()
     assert item.uri == f"{s3_backend.url}/traces/{record.trace_id}/{record.request_id}"
-    assert item.bytes_written == record.nbytes()
+    summary_bytes = 2 * 7 * 4 * len(record.layers) * record.num_heads * 4  # [part, metric, stat, L, H] float32
+    assert item.bytes_written == record.nbytes() + summary_bytes
     assert f"traces/{record.trace_id}/{record.request_id}/COMPLETE" in s3_backend.keys()
     np.testing.assert_allclose(attn_otel.open_trace(record.trace_id, s3_backend.url)[0].maps(), expected,
                                atol=5e-4, rtol=0)
