@@ -115,8 +115,7 @@ def s3_backend(moto_s3, s3_env):
 
 
 # --------------------------------------------------------------------- a live vLLM server + a real Prometheus
-SCRAPED_PROMPTS = ["The capital of France is", "Mountain goats can climb", "The old lighthouse keeper climbed the stairs"]
-SCRAPED_LAYERS = {"0", "10", "19", "29"}  # ATTN_OTEL_LAYERS=auto on SmolLM2's 30 layers
+from scraped import SCRAPED_LAYERS, SCRAPED_PROMPTS  # noqa: E402 - test modules import them from there
 
 
 class ScrapedServer:

@@ -15,7 +15,7 @@ import pytest
 
 import attn_otel
 import prom
-from conftest import SCRAPED_LAYERS
+from scraped import SCRAPED_LAYERS
 from grafana import generate
 
 pytestmark = [pytest.mark.engine,

@@ -10,7 +10,7 @@ import pytest
 
 import attn_otel
 import prom
-from conftest import SCRAPED_LAYERS, SCRAPED_PROMPTS
+from scraped import SCRAPED_LAYERS, SCRAPED_PROMPTS
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(not prom.available(), reason="Prometheus is installed by setup.sh")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MAX_MAP_TOKENS, traceparent
+from rel_common import MAX_MAP_TOKENS, traceparent
 from synthetic import make_record, write
 from text import prose
 

@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from conftest import S3_QUEUE_BYTES, S3_TIMEOUT_S, Driver, _engine_env, assert_accounted, delta, traceparent
+from rel_common import S3_QUEUE_BYTES, S3_TIMEOUT_S, Driver, _engine_env, assert_accounted, delta, traceparent
 from text import prose
 
 from attn_otel.ids import new_trace_id

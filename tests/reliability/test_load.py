@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import DISK_DEVICE_QUEUE_BYTES, DISK_QUEUE_BYTES, assert_accounted, delta, traceparent
+from rel_common import DISK_DEVICE_QUEUE_BYTES, DISK_QUEUE_BYTES, assert_accounted, delta, traceparent
 from text import prose
 
 from attn_otel.ids import new_trace_id

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import traceparent
+from rel_common import traceparent
 
 import attn_otel
 from attn_otel.ids import new_trace_id
