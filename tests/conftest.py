@@ -216,3 +216,11 @@ def scraped_server(smollm2_path, tmp_path_factory):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
         log.close()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests on the in-process engine run first.  When an engine starts, vLLM's CPU platform walks every
+    loaded module's globals (``vllm.triton_utils.dispatcher``) and trips over flask's context proxies,
+    which moto's S3 server brings into this process; so the session ``engine`` must exist before moto is
+    imported."""
+    items.sort(key=lambda item: 0 if "engine" in getattr(item, "fixturenames", ()) else 1)
