@@ -453,7 +453,7 @@ class CaptureEngine:
         cu = np.zeros(len(batch) + 1, dtype=np.int32)
         cu[1:] = np.cumsum(Ts)
         records, vision_any = [], False
-        slots_host: dict[int, list[np.ndarray]] = {}
+        slots_host: dict[int, list[np.ndarray]] = {spec.group: [] for spec in layers}  # per KV-cache group
         vision_host = np.zeros(total, dtype=np.float32)
         tokens_dev: list[tuple[int, torch.Tensor]] = []
         for i, (req, info) in enumerate(batch):
@@ -465,9 +465,6 @@ class CaptureEngine:
             if tok_dev is not None:
                 tokens_dev.append((i, tok_dev))
             records.append(rec)
-            for spec in layers:
-                if spec.group not in slots_host:
-                    slots_host[spec.group] = []
             for group, parts in slots_host.items():
                 parts.append(self._slots_np(req, group, T))
         prompt = np.asarray([r.prompt_len for r in records], dtype=np.int32)

@@ -184,20 +184,20 @@ class Config:
                 _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1", d.store_tokens)
         values["stats_dir"] = env.get(ATTN_OTEL_STATS_DIR, "").strip() or None
         values["writers"] = _number(env, ATTN_OTEL_WRITERS, d.writers, int, 0, 64)
-        raw = env.get(ATTN_OTEL_ROW_METRICS)
-        if raw is not None:
-            if raw.strip().lower() in ("maps", "all"):
-                values["row_metrics"] = raw.strip().lower()
-            else:
-                _warn(ATTN_OTEL_ROW_METRICS, raw, "expected maps or all", d.row_metrics)
-        raw = env.get(ATTN_OTEL_WRITER)
-        if raw is not None:
-            if raw.strip().lower() in ("process", "thread"):
-                values["writer"] = raw.strip().lower()
-            else:
-                _warn(ATTN_OTEL_WRITER, raw, "expected process or thread", d.writer)
+        values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
+        values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    if raw.strip().lower() in choices:
+        return raw.strip().lower()
+    _warn(name, raw, f"expected {' or '.join(choices)}", default)
+    return default
 
 
 def _number(env: Mapping[str, str], name: str, default, kind, lo, hi):

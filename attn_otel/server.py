@@ -125,18 +125,13 @@ class EndpointPlugin:
         return None
 
 
-_CREATED_STATS_DIR: str | None = None
-
-
 def prepare_stats_dir() -> str:
     """``ATTN_OTEL_STATS_DIR``, creating a temporary one (removed at this process's exit) when unset.  Set
     in the environment before vLLM starts its engine processes, so they inherit it."""
-    global _CREATED_STATS_DIR
     path = os.environ.get(ATTN_OTEL_STATS_DIR, "").strip()
     if path:
         return path
     path = tempfile.mkdtemp(prefix="attn-otel-stats-")
     os.environ[ATTN_OTEL_STATS_DIR] = path
-    _CREATED_STATS_DIR = path
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any, Protocol, Sequence
 
 from ..config import Config
@@ -105,7 +104,3 @@ def build_exporters(config: Config) -> FanOut:
         if exp is not None:
             exporters.append(exp)
     return FanOut(exporters)
-
-
-def now() -> float:
-    return time.time()

@@ -127,14 +127,6 @@ class ScrapedServer:
         self.__dict__.update(kw)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def scraped_server(smollm2_path, tmp_path_factory):
     """vLLM's OpenAI server (CPU build) with capture on and maps for every request, scraped every second by a
@@ -143,27 +135,21 @@ def scraped_server(smollm2_path, tmp_path_factory):
     in Prometheus), then one request with ``vllm_xargs {"attn_otel": "off"}`` (skips_total{reason="request_off"},
     not a capture).  Shared by tests/test_prometheus_server.py and tests/test_grafana_live.py."""
     import json
-    import signal
-    import subprocess
     import time
     import urllib.request
 
     import prom
+    import vllm_server
     from attn_otel.ids import new_span_id, new_trace_id
 
     if not prom.available():
         pytest.skip("Prometheus is installed by setup.sh")
     store = tmp_path_factory.mktemp("prom-store")
-    port = _free_port()
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "ATTN_OTEL_STATS_DIR", "ATTN_OTEL_LAYERS", "PROMETHEUS_MULTIPROC_DIR"):
         env.pop(name, None)
     log_path = tmp_path_factory.mktemp("prom-server-log") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_path,
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     stop = None
 
     def complete(body: dict) -> None:
@@ -173,49 +159,37 @@ def scraped_server(smollm2_path, tmp_path_factory):
         with urllib.request.urlopen(req, timeout=120) as r:
             assert r.status == 200
 
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except OSError:
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                if time.monotonic() > deadline:
-                    pytest.fail("vLLM server did not come up in 600 s")
-                time.sleep(2)
-        target = f"127.0.0.1:{port}"
-        url, stop = prom.start([("attn-otel", target, "/attn-otel/metrics"), ("vllm", target, "/metrics")],
-                               workdir=tmp_path_factory.mktemp("prometheus"))
-        prom.wait_for(url, 'count(up == 1)', lambda v: v == 2, timeout=30)
-        started = time.time()
-        traces = []
-        for i, prompt in enumerate(SCRAPED_PROMPTS):
-            trace = new_trace_id()
-            complete({"prompt": prompt, "vllm_xargs": {"traceparent": f"00-{trace}-{new_span_id()}-01"}})
-            traces.append(trace)
-            # One capture at a time, more than a second apart: the engine writes its counters file at most once
-            # a second, so a burst would show in Prometheus as one step.
-            prom.wait_for(url, 'sum(attn_otel_sink_mass_first_count{job="attn-otel"})',
-                          lambda v: v >= (i + 1) * len(SCRAPED_LAYERS), timeout=120)
-            time.sleep(1.1)
-        complete({"prompt": "Not captured:", "vllm_xargs": {"attn_otel": "off"}})
-        # every capture observed once per captured layer, and the skip, seen by both scrape jobs
-        for job in ("attn-otel", "vllm"):
-            prom.wait_for(url, f'sum(attn_otel_sink_mass_first_count{{job="{job}"}})',
-                          lambda v: v >= len(SCRAPED_PROMPTS) * len(SCRAPED_LAYERS), timeout=60)
-            prom.wait_for(url, f'sum(attn_otel_captures_stored_total{{job="{job}"}})',
-                          lambda v: v >= len(SCRAPED_PROMPTS), timeout=60)
-            prom.wait_for(url, f'sum(attn_otel_skips_total{{job="{job}",reason="request_off"}})',
-                          lambda v: v >= 1, timeout=60)
-        yield ScrapedServer(url=url, port=port, target=target, store=store, traces=traces, model=smollm2_path,
-                            started=started, finished=time.time(), log_path=log_path)
-    finally:
-        if stop is not None:
-            stop()
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-        log.close()
+    with vllm_server.running(smollm2_path, env, log_path) as port:
+        try:
+            target = f"127.0.0.1:{port}"
+            url, stop = prom.start([("attn-otel", target, "/attn-otel/metrics"), ("vllm", target, "/metrics")],
+                                   workdir=tmp_path_factory.mktemp("prometheus"))
+            prom.wait_for(url, 'count(up == 1)', lambda v: v == 2, timeout=30)
+            started = time.time()
+            traces = []
+            for i, prompt in enumerate(SCRAPED_PROMPTS):
+                trace = new_trace_id()
+                complete({"prompt": prompt, "vllm_xargs": {"traceparent": f"00-{trace}-{new_span_id()}-01"}})
+                traces.append(trace)
+                # One capture at a time, more than a second apart: the engine writes its counters file at most once
+                # a second, so a burst would show in Prometheus as one step.
+                prom.wait_for(url, 'sum(attn_otel_sink_mass_first_count{job="attn-otel"})',
+                              lambda v: v >= (i + 1) * len(SCRAPED_LAYERS), timeout=120)
+                time.sleep(1.1)
+            complete({"prompt": "Not captured:", "vllm_xargs": {"attn_otel": "off"}})
+            # every capture observed once per captured layer, and the skip, seen by both scrape jobs
+            for job in ("attn-otel", "vllm"):
+                prom.wait_for(url, f'sum(attn_otel_sink_mass_first_count{{job="{job}"}})',
+                              lambda v: v >= len(SCRAPED_PROMPTS) * len(SCRAPED_LAYERS), timeout=60)
+                prom.wait_for(url, f'sum(attn_otel_captures_stored_total{{job="{job}"}})',
+                              lambda v: v >= len(SCRAPED_PROMPTS), timeout=60)
+                prom.wait_for(url, f'sum(attn_otel_skips_total{{job="{job}",reason="request_off"}})',
+                              lambda v: v >= 1, timeout=60)
+            yield ScrapedServer(url=url, port=port, target=target, store=store, traces=traces, model=smollm2_path,
+                                started=started, finished=time.time(), log_path=log_path)
+        finally:
+            if stop is not None:
+                stop()
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,18 +27,13 @@ import urllib.parse
 import urllib.request
 from typing import Callable, Sequence
 
+from vllm_server import free_port
+
 PROMETHEUS = os.environ.get("PROMETHEUS_BIN", "/usr/bin/prometheus")
 
 
 def available() -> bool:
     return os.access(PROMETHEUS, os.X_OK)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def config_yaml(targets: Sequence[tuple[str, str, str]], interval: str = "1s") -> str:
     # JSON is YAML: no yaml dependency needed
@@ -48,7 +42,6 @@ def config_yaml(targets: Sequence[tuple[str, str, str]], interval: str = "1s") -
         "scrape_configs": [{"job_name": job, "metrics_path": path, "static_configs": [{"targets": [target]}]}
                            for job, target, path in targets],
     }, indent=2)
-
 
 def start(targets: Sequence[tuple[str, str, str]], workdir: str | os.PathLike | None = None,
           timeout: float = 60.0) -> tuple[str, Callable[[], None]]:
@@ -59,7 +52,7 @@ def start(targets: Sequence[tuple[str, str, str]], workdir: str | os.PathLike | 
     config = os.path.join(work, "prometheus.yml")
     with open(config, "w") as f:
         f.write(config_yaml(targets))
-    port = _free_port()
+    port = free_port()
     log = open(os.path.join(work, "prometheus.log"), "w")
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={os.path.join(work, 'tsdb')}",
                              f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage"],
@@ -92,7 +85,6 @@ def start(targets: Sequence[tuple[str, str, str]], workdir: str | os.PathLike | 
             raise RuntimeError(f"Prometheus did not come up: {text}")
         time.sleep(0.2)
 
-
 def api(url: str, path: str, **params) -> object:
     """GET ``/api/v1/{path}`` with ``params``; the ``data`` of a successful answer."""
     full = f"{url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
@@ -105,14 +97,12 @@ def api(url: str, path: str, **params) -> object:
         raise RuntimeError(f"{path} {params}: {body}")
     return body["data"]
 
-
 def query(url: str, promql: str) -> list[dict]:
     """An instant query's result: ``[{"metric": {labels}, "value": [time, "string value"]}, ...]``."""
     data = api(url, "query", query=promql)
     if data["resultType"] == "scalar":
         return [{"metric": {}, "value": data["result"]}]
     return data["result"]
-
 
 def value(url: str, promql: str) -> float | None:
     """The value of a query that returns one series or a scalar (None when it returns nothing)."""
@@ -123,18 +113,15 @@ def value(url: str, promql: str) -> float | None:
         raise RuntimeError(f"{promql} returned {len(result)} series")
     return float(result[0]["value"][1])
 
-
 def query_exemplars(url: str, promql: str, start: float | None = None, end: float | None = None) -> list[dict]:
     """``/api/v1/query_exemplars``: ``[{"seriesLabels": {...}, "exemplars": [{"labels", "value", "timestamp"}]}]``."""
     now = time.time()
     return api(url, "query_exemplars", query=promql, start=start if start is not None else now - 3600,
                end=end if end is not None else now + 60)
 
-
 def targets(url: str) -> list[dict]:
     """The active targets, each with ``labels``, ``health`` and ``lastError``."""
     return api(url, "targets")["activeTargets"]
-
 
 def wait_for(url: str, promql: str, predicate: Callable[[float], bool], timeout: float = 60.0) -> float:
     """Poll ``value(promql)`` until ``predicate`` holds; returns the value, or raises with the last one."""

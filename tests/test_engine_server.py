@@ -2,25 +2,16 @@
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
+import vllm_server
 
 import attn_otel
 from attn_otel.ids import new_span_id, new_trace_id
 
 pytestmark = pytest.mark.engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(port, body, headers=None, with_headers=False):
@@ -34,27 +25,11 @@ def _post(port, body, headers=None, with_headers=False):
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     store = tmp_path_factory.mktemp("server-store")
-    port = _free_port()
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    log = open(tmp_path_factory.mktemp("server-log") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_path,
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                break
-        except OSError:
-            assert proc.poll() is None, open(log.name).read()[-3000:]
-            time.sleep(2)
-    else:
-        pytest.fail("vLLM server did not come up in 600 s")
-    yield port, store, smollm2_path
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=120)
+    with vllm_server.running(smollm2_path, env, tmp_path_factory.mktemp("server-log") / "server.log") as port:
+        yield port, store, smollm2_path
 
 
 def _wait_for(trace_id, store, timeout=60):

@@ -8,26 +8,18 @@ then shares.
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
+import vllm_server
 
 from attn_otel.ids import new_span_id, new_trace_id
 
 pytestmark = pytest.mark.engine
 
 PROMPT = "Zanzibar quokka lighthouse recipe, step one:"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(port, body, headers=None):
@@ -40,7 +32,6 @@ def _post(port, body, headers=None):
 @pytest.fixture(scope="module", params=["otel-env", "vllm-flag"])
 def server(request, smollm2_path, tmp_path_factory, otlp_receiver):
     store = tmp_path_factory.mktemp("otel-server-store")
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0",
                 "VLLM_CPU_KVCACHE_SPACE": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"})
@@ -51,23 +42,9 @@ def server(request, smollm2_path, tmp_path_factory, otlp_receiver):
                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     else:  # no OTEL_* variable: vLLM exports its flag as OTEL_EXPORTER_OTLP_TRACES_ENDPOINT to its engine
         args = ["--otlp-traces-endpoint", otlp_receiver.grpc_endpoint]
-    log = open(tmp_path_factory.mktemp("otel-server-log") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_path,
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024", *args],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                break
-        except OSError:
-            assert proc.poll() is None, open(log.name).read()[-3000:]
-            time.sleep(2)
-    else:
-        pytest.fail("vLLM server did not come up in 600 s")
-    yield request.param, port, store, smollm2_path
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=120)
+    with vllm_server.running(smollm2_path, env, tmp_path_factory.mktemp("otel-server-log") / "server.log",
+                             args) as port:
+        yield request.param, port, store, smollm2_path
 
 
 def _capture_span(receiver, trace_id, timeout=90):
