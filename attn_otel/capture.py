@@ -30,8 +30,8 @@ import torch
 from . import triton_metrics
 from .attention import METRICS, ROWS, attention_metrics
 from .config import Config, RequestOptions
-from .ids import maps_sampled, new_span_id, new_trace_id, parse_traceparent
-from .store import CaptureRecord
+from .ids import derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent
+from .store import CapturePart, CaptureRecord
 
 logger = logging.getLogger("attn_otel")
 
@@ -48,6 +48,35 @@ class LayerSpec:
     head_dim: int
     scale: float
     group: int = 0  # KV-cache group of the layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Where this engine's rank sits in a tensor- and/or pipeline-parallel model.
+
+    Each rank taps the heads and layers it holds and writes them as one :class:`CapturePart` of the
+    request's capture; nothing crosses ranks on the serving path.  Every rank derives the same trace id,
+    span id and maps decision for a request from ``id_seed`` (vLLM's instance id, shared by its workers)."""
+
+    tp_rank: int
+    tp: int
+    pp_rank: int
+    pp: int
+    total_heads: int  # query heads of the whole model (this rank holds heads_per_rank of them)
+    stage_of: dict[int, int]  # model layer -> pipeline stage that holds it
+    capture_layers: tuple[int, ...]  # ATTN_OTEL_LAYERS resolved on the whole model, all stages
+    id_seed: str = ""
+
+    def part(self, layers: Sequence[int], local_heads: int, local: Sequence[int]) -> CapturePart | None:
+        """This rank's part of a capture of ``layers`` (None: this rank's stage holds none of them);
+        ``local`` are the layers this rank captures (a stage's layer it refuses stays empty)."""
+        stages = sorted({self.stage_of.get(x, -1) for x in layers})
+        if self.pp_rank not in stages:
+            return None
+        mine = tuple(x for x in layers if self.stage_of.get(x) == self.pp_rank and x in local)
+        return CapturePart(index=stages.index(self.pp_rank) * self.tp + self.tp_rank, count=len(stages) * self.tp,
+                           heads=(self.tp_rank * local_heads, (self.tp_rank + 1) * local_heads), layers=mine,
+                           tp=self.tp, pp=self.pp)
 
 
 class QKTap:
@@ -314,6 +343,7 @@ class CaptureEngine:
         self.engine_version = engine_version
         self.attrs = dict(attrs or {})
         self.stats = Stats()
+        self.parallel: Parallel | None = None  # set by the adapter under tensor/pipeline parallelism
         self._warned: set[str] = set()
         # Per writer thread: its exporters (ATTN_OTEL_WRITER=thread) or its writer process.
         self._local = threading.local()
@@ -385,15 +415,22 @@ class CaptureEngine:
         if T < 1:
             self.stats.add("skipped", reason="no_tokens")
             return
-        layers = self.layers if opts.layers is None else [s for s in self.layers if s.index in opts.layers]
-        if opts.layers is not None and len(layers) < len(opts.layers):
+        par = self.parallel
+        tapped = self.layer_ids if par is None else par.capture_layers
+        wanted = tapped if opts.layers is None else tuple(x for x in tapped if x in opts.layers)
+        if opts.layers is not None and len(wanted) < len(opts.layers):
             self.warn_once("layers-not-tapped", "request %s asked for layers %s; only %s are captured "
-                           "(ATTN_OTEL_LAYERS); capturing those", req.request_id, list(opts.layers),
-                           list(self.layer_ids))
-        if not layers:
+                           "(ATTN_OTEL_LAYERS); capturing those", req.request_id, list(opts.layers), list(tapped))
+        if not wanted:
             self.stats.add("skipped", reason="no_layers")
             return
-        trace_id, parent = new_trace_id(), None
+        layers = [s for s in self.layers if s.index in wanted]
+        if not layers:  # pipeline parallel: the request's layers are all on other stages
+            return
+        if par is not None and par.id_seed:
+            trace_id, parent = derived_trace_id(par.id_seed, req.request_id), None
+        else:
+            trace_id, parent = new_trace_id(), None
         if opts.traceparent:
             trace_id, parent = parse_traceparent(opts.traceparent)  # type: ignore[misc]
         want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))
@@ -420,7 +457,7 @@ class CaptureEngine:
                 self.stats.add("dropped", reason="device_queue_full")
                 return None
             return {"layers": layers, "T": T, "nbytes": nbytes, "device": device, "trace_id": trace_id,
-                    "parent": parent, "t0": t0}
+                    "parent": parent, "t0": t0, "wanted": wanted}
         gathered = sum(T * (s.num_heads + s.num_kv_heads) * s.head_dim for s in layers) * self.tap.itemsize
         if not self._device_reserve(gathered):
             self.handoff.release(nbytes)
@@ -430,7 +467,7 @@ class CaptureEngine:
                            self.config.device_queue_bytes)
             return
         try:
-            pending = self._gather(req, layers, T, want_maps, nbytes, gathered, trace_id, parent)
+            pending = self._gather(req, layers, T, want_maps, nbytes, gathered, trace_id, parent, wanted)
         except BaseException:
             self.handoff.release(nbytes)
             self._device_release(gathered)
@@ -458,7 +495,8 @@ class CaptureEngine:
         tokens_dev: list[tuple[int, torch.Tensor]] = []
         for i, (req, info) in enumerate(batch):
             T = info["T"]
-            rec, tok_dev = self._record(req, info["layers"], T, False, info["trace_id"], info["parent"])
+            rec, tok_dev = self._record(req, info["layers"], T, False, info["trace_id"], info["parent"],
+                                        info["wanted"])
             if rec.vision_mask is not None:
                 vision_any = True
                 vision_host[cu[i]:cu[i + 1]] = rec.vision_mask
@@ -496,7 +534,8 @@ class CaptureEngine:
             job = _Job(rec, per_row, None, event, info["nbytes"], info["t0"], tok_host.get(i),
                        keep=keep if len(keep) < len(layers) else None)
             self.handoff.put(job)
-            self.stats.add("captured")
+            if rec.part is None or rec.part.index == 0:  # a parallel capture counts once, on its first part
+                self.stats.add("captured")
             self._device_release(info["device"])  # stream order: the next step's writes come after the kernels
             self.stats.loop_times.append(loop / len(batch) + (t0 - info["t0"]))
 
@@ -520,15 +559,26 @@ class CaptureEngine:
         pos = np.arange(T, dtype=np.int64)
         return blocks[pos // bs] * bs + pos % bs
 
-    def _record(self, req, layers, T, want_maps, trace_id, parent) -> tuple[CaptureRecord, torch.Tensor | None]:
+    def _record(self, req, layers, T, want_maps, trace_id, parent,
+                wanted: Sequence[int] = ()) -> tuple[CaptureRecord, torch.Tensor | None]:
+        """The capture's record; under tensor/pipeline parallelism, this rank's part of the capture of
+        ``wanted`` (the request's layers on every stage), ``layers`` being those this rank holds."""
         vision_np = None
         if req.vision_positions is not None and np.any(req.vision_positions[:T]):
             vision_np = np.zeros(T, dtype=bool)  # the mask ends with the last image; pad it to T
             n = min(T, len(req.vision_positions))
             vision_np[:n] = np.asarray(req.vision_positions[:n], dtype=bool)
+        part, whole_layers, H = None, tuple(s.index for s in layers), max(s.num_heads for s in layers)
+        par = self.parallel
+        if par is not None:
+            whole_layers = tuple(wanted)
+            part = par.part(whole_layers, H, [s.index for s in layers])
+            H = par.total_heads
         tokens = None
         tokens_dev = None
-        if self.config.store_tokens:
+        # One part writes the token ids: tensor rank 0 of the capture's last stage, which under pipeline
+        # parallelism is the stage that samples when the capture reaches the last layer.
+        if self.config.store_tokens and (part is None or part.index == part.count - part.tp):
             if req.output_token_ids is not None:
                 ids = list(req.prompt_token_ids) + list(req.output_token_ids)
                 ids += [-1] * (T - len(ids))  # unknown to this worker (documented in the README)
@@ -536,17 +586,20 @@ class CaptureEngine:
             elif req.token_ids_device is not None:
                 tokens_dev = req.token_ids_device[:T].clone()
         N = min(len(req.prompt_token_ids), T)
-        H = max(s.num_heads for s in layers)
+        # Every rank of a parallel engine must name the capture's span alike.
+        span_id = derived_span_id(trace_id, req.request_id) if par is not None else new_span_id()
         record = CaptureRecord(
-            trace_id=trace_id, request_id=req.request_id, span_id=new_span_id(), parent_span_id=parent,
-            prompt_len=N, num_tokens=T, layers=tuple(s.index for s in layers), num_heads=H,
+            trace_id=trace_id, request_id=req.request_id, span_id=span_id, parent_span_id=parent,
+            prompt_len=N, num_tokens=T, layers=whole_layers, num_heads=H,
             model=self.model, engine_version=self.engine_version, mode="maps" if want_maps else "metrics",
             token_ids=tokens, vision_mask=vision_np,
             attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens},
+            part=part,
         )
         return record, tokens_dev
 
-    def _gather(self, req, layers, T, want_maps, nbytes, gathered, trace_id, parent) -> "_Pending":
+    def _gather(self, req, layers, T, want_maps, nbytes, gathered, trace_id, parent,
+                wanted: Sequence[int] = ()) -> "_Pending":
         """Engine loop: copy the request's Q/K out of the tap before its blocks can be reused.  Only
         device copies are enqueued here (on the engine's stream); the math runs on the compute thread."""
         cuda = self.device.type == "cuda"
@@ -556,7 +609,7 @@ class CaptureEngine:
             if spec.group not in slots_by_group:
                 slots_by_group[spec.group] = self._slots(req, spec.group, T)
             qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
-        record, tokens_dev = self._record(req, layers, T, want_maps, trace_id, parent)
+        record, tokens_dev = self._record(req, layers, T, want_maps, trace_id, parent, wanted)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
@@ -570,7 +623,8 @@ class CaptureEngine:
                 job = self._compute(pending)
                 job.t_finish = pending.t_finish
                 self.handoff.put(job)
-                self.stats.add("captured")
+                if pending.record.part is None or pending.record.part.index == 0:
+                    self.stats.add("captured")
             except Exception as e:  # noqa: BLE001
                 self.handoff.release(pending.nbytes)
                 self.stats.add("dropped", reason="capture_error")
@@ -582,7 +636,7 @@ class CaptureEngine:
 
     def _compute(self, p: "_Pending") -> _Job:
         rec, layers, T = p.record, p.layers, p.record.num_tokens
-        L, H = len(layers), rec.num_heads
+        L, H = len(layers), max(s.num_heads for s in layers)  # this rank's heads (all, on one GPU)
         cuda = self.device.type == "cuda"
         host = dict(pin_memory=True) if cuda else {}
         per_row_host = torch.full((len(METRICS), L, H, T), float("nan"), dtype=torch.float32, **host)
@@ -668,9 +722,10 @@ class CaptureEngine:
                 self.stats.add("export_errors", reason=name)
             if store_error is not None:
                 raise RuntimeError(store_error)
-            self.stats.add("stored")
-            if job.maps is not None:
-                self.stats.add("maps_stored")
+            if reply.get("complete", True):  # a parallel capture counts once, on the part that completed it
+                self.stats.add("stored")
+                if reply.get("maps_stored", job.maps is not None):
+                    self.stats.add("maps_stored")
             self.stats.add("bytes_written", int(reply.get("bytes", 0)))
             self.stats.write_latencies.append(time.perf_counter() - job.t_finish)
         except Exception as e:  # noqa: BLE001
@@ -695,7 +750,8 @@ class CaptureEngine:
             self._fanouts.append(fanout)
         item = ExportItem(rec, latency_s=latency)
         errors = fanout.export(item)
-        return {"ok": True, "bytes": item.bytes_written, "errors": errors}
+        return {"ok": True, "bytes": item.bytes_written, "errors": errors, "complete": item.complete,
+                "maps_stored": bool(item.maps_stored)}
 
     def _write_in_process(self, rec: CaptureRecord, job: _Job, names: list[str], latency: float) -> dict:
         """Hand the capture to the writer process: arrays through one shared-memory segment, the rest as
@@ -728,6 +784,8 @@ class CaptureEngine:
             meta = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)
                     if f.name not in ("token_ids", "maps", "metrics", "vision_mask")}
             meta["layers"] = [int(x) for x in meta["layers"]]
+            if rec.part is not None:
+                meta["part"] = rec.part.to_json()
             msg = {"id": id(job), "shm": shm.name, "record": meta, "arrays": layout,
                    "metrics": {name: METRICS.index(name) for name in names}, "latency_s": latency}
             reply = self._writer_call(json.dumps(msg))

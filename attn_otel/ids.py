@@ -33,6 +33,17 @@ def new_span_id() -> str:
     return secrets.token_hex(8)
 
 
+def derived_trace_id(seed: str, request_id: str) -> str:
+    """The trace id of a request that came without one, the same on every rank of a parallel engine
+    (``seed`` is the engine's instance id, so ids do not repeat across engines or restarts)."""
+    return hashlib.sha256(f"attn-otel\0{seed}\0{request_id}".encode()).hexdigest()[:32]
+
+
+def derived_span_id(trace_id: str, request_id: str) -> str:
+    """The capture span's id, the same on every rank that writes a part of the capture."""
+    return hashlib.sha256(f"attn-otel-span\0{trace_id}\0{request_id}".encode()).hexdigest()[:16]
+
+
 def check_trace_id(trace_id: object) -> str:
     """Return the normalised trace id, or raise :class:`InvalidTraceId` before any store is touched."""
     if not isinstance(trace_id, str) or not _TRACE_ID.match(trace_id.strip().lower()):

@@ -9,7 +9,18 @@ Layout (``{store}`` is ``ATTN_OTEL_STORE``)::
     {store}/traces/{trace_id}/{request_key}/token_ids/...    int32 [T] (only with ATTN_OTEL_STORE_TOKENS=1)
     {store}/traces/{trace_id}/{request_key}/metrics/{name}   float32 [layers, heads, T], per query row
     {store}/traces/{trace_id}/{request_key}/vision_mask      bool [T], image-embedding positions (multimodal)
+    {store}/traces/{trace_id}/{request_key}/summary          float32 [part, metric, stat, layers, heads]
+    {store}/traces/{trace_id}/{request_key}/parts/{i}        tensor/pipeline parallel only: part i's marker
     {store}/traces/{trace_id}/{request_key}/COMPLETE         JSON summary, written last
+
+Tensor- and pipeline-parallel engines write one capture from several ranks, each its own slice (a
+:class:`CapturePart`: a contiguous range of heads, the layers its pipeline stage holds) into the same
+arrays.  Every array is chunked so that no chunk spans two parts (maps one head per chunk; summary and
+per-row metrics ``heads/tp`` heads and, under pipeline parallelism, one layer per chunk), so the parts
+never read-modify-write each other's chunks.  Each part writes its arrays, then ``parts/{i}``; the part
+that finds all ``parts/*`` present claims ``COMPLETE`` with a conditional create (``O_EXCL`` on disk,
+``If-None-Match: *`` on S3), so exactly one rank completes the capture and runs the exporters after the
+store (one span, one set of histogram observations) on the merged summary it reads back.
 
 A capture is visible to readers only once ``COMPLETE`` exists, so a writer killed mid-capture leaves
 nothing that ``ls``, ``fetch`` or :func:`attn_otel.open_trace` report.  What such a writer leaves behind
@@ -40,11 +51,40 @@ from .ids import check_trace_id, request_key
 
 FORMAT_VERSION = 1
 MARKER = "COMPLETE"
+PARTS_DIR = "parts"
 ROWS_PER_CHUNK = 256
 
 
 class StoreError(RuntimeError):
     """A store that cannot be opened, or an object in it that is not an attn-otel capture."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturePart:
+    """The slice of a capture that one rank of a tensor/pipeline-parallel engine holds and writes.
+
+    ``index`` is the stage's position among the stages holding the capture's layers times ``tp`` plus the
+    tensor-parallel rank; ``count`` is how many parts the capture has.  ``heads`` is ``[start, stop)`` of
+    the capture's heads; ``layers`` the model layers this part holds (a subset of the record's layers).
+    """
+
+    index: int
+    count: int
+    heads: tuple[int, int]
+    layers: tuple[int, ...]
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "heads", tuple(int(h) for h in self.heads))
+        object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        if not (0 <= self.index < self.count and len(self.heads) == 2 and 0 <= self.heads[0] < self.heads[1]
+                and self.tp >= 1 and self.pp >= 1 and self.count <= self.tp * self.pp):
+            raise ValueError(f"inconsistent capture part {self}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "count": self.count, "heads": list(self.heads), "layers": list(self.layers),
+                "tp": self.tp, "pp": self.pp}
 
 
 @dataclasses.dataclass
@@ -68,6 +108,13 @@ class CaptureRecord:
     metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
     vision_mask: np.ndarray | None = None  # bool [T]: image-embedding positions (multimodal requests)
+    # Tensor/pipeline parallel: this record is one rank's part.  ``layers`` and ``num_heads`` still describe
+    # the whole capture; ``maps`` is [len(part.layers), part heads, T, T] and each metric [.., .., T].
+    part: CapturePart | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.part, dict):  # from the writer process's JSON
+            self.part = CapturePart(**self.part)
 
     def nbytes(self) -> int:
         n = 0 if self.maps is None else self.maps.nbytes
@@ -199,6 +246,25 @@ def summary(record: CaptureRecord) -> dict[str, Any]:
 
 def write_capture(store, record: CaptureRecord, *, rows: bool = True,
                   summary: dict[str, Any] | None = None) -> int:
+    """Write one capture, marker last (see :func:`write_capture_part` for a record that is one rank's part).
+    Returns the bytes handed to the store (before compression)."""
+    if record.part is not None:
+        return write_capture_part(store, record, rows=rows, summary=summary)[0]
+    return _write_whole(store, record, rows=rows, summary=summary)
+
+
+def write_capture_part(store, record: CaptureRecord, *, rows: bool = True,
+                       summary: dict[str, Any] | None = None) -> tuple[int, dict[str, Any] | None]:
+    """Write one rank's part of a capture (its heads of its layers), then its part marker.  Returns
+    ``(bytes, marker)``: ``marker`` is the capture's ``COMPLETE`` marker when this call completed the
+    capture (every part's marker was present and this rank won the conditional create), else None."""
+    if record.part is None:
+        return _write_whole(store, record, rows=rows, summary=summary), summary_meta(record, rows, summary)
+    return _sync(_write_part(store, record, rows, summary))
+
+
+def _write_whole(store, record: CaptureRecord, *, rows: bool = True,
+                 summary: dict[str, Any] | None = None) -> int:
     """Write one capture, marker last.  Returns the bytes handed to the store (before compression).
 
     ``rows=False`` leaves the per-row metrics out; ``summary`` (:func:`attn_otel.metrics.summarize` of
@@ -217,11 +283,7 @@ async def _write_capture(store, record: CaptureRecord, rows: bool = True,
     from zarr.api.asynchronous import open_group
 
     prefix = capture_prefix(record.trace_id, record.request_id)
-    meta = summary(record)
-    if not rows:
-        meta["metrics"] = []
-    if summary_stats is not None:
-        meta["summary_metrics"] = sorted(n for n in record.metrics)
+    meta = summary_meta(record, rows, summary_stats)
     group = await open_group(store=store, path=prefix, mode="w", attributes={"attn_otel": meta})
     written = 0
     jobs = []
@@ -264,6 +326,197 @@ async def _write_capture(store, record: CaptureRecord, rows: bool = True,
 
     await store.set(f"{prefix}/{MARKER}", default_buffer_prototype().buffer.from_bytes(json.dumps(meta).encode()))
     return written
+
+
+def summary_meta(record: CaptureRecord, rows: bool, summary_stats: Any) -> dict[str, Any]:
+    """The ``COMPLETE`` marker of a capture written by one writer."""
+    meta = summary(record)
+    if not rows:
+        meta["metrics"] = []
+    if summary_stats is not None:
+        meta["summary_metrics"] = sorted(n for n in record.metrics)
+    return meta
+
+
+async def _ensure_array(group, name: str, **kwargs):
+    """Create an array, or open it when another part created it first.  Every part creates it from the
+    same arguments, so the metadata documents are identical and a race between two creators is harmless."""
+    from zarr.errors import ContainsArrayError, ContainsGroupError
+
+    try:
+        return await group.create_array(name, overwrite=False, **kwargs)
+    except (ContainsArrayError, ContainsGroupError, FileExistsError):
+        arr = await group.getitem(name)
+        if tuple(arr.shape) != tuple(kwargs["shape"]):
+            raise StoreError(f"{group.path}/{name} has shape {tuple(arr.shape)}, this part expects "
+                             f"{tuple(kwargs['shape'])}: two engines wrote the same request id") from None
+        return arr
+
+
+async def _ensure_group(store, path: str, attributes: dict[str, Any]):
+    from zarr.api.asynchronous import open_group
+    from zarr.errors import ContainsGroupError
+
+    try:
+        return await open_group(store=store, path=path, mode="a", attributes=attributes)
+    except (ContainsGroupError, FileExistsError):  # another part created it between our look and our write
+        return await open_group(store=store, path=path, mode="r+")
+
+
+async def _claim(store, key: str, data: bytes) -> bool:
+    """Create ``key`` only if it does not exist; True when this call created it.  Atomic on local disk
+    (``O_EXCL``) and on S3 (``If-None-Match: *``); other stores fall back to look-then-write."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    inner = _unwrap(store)
+    buf = default_buffer_prototype().buffer.from_bytes(data)
+    if hasattr(inner, "root"):  # LocalStore
+        try:
+            await inner._set(key, buf, exclusive=True)
+            return True
+        except FileExistsError:
+            return False
+    fs = getattr(inner, "fs", None)
+    if fs is not None and hasattr(fs, "_call_s3"):
+        bucket, _, prefix = str(inner.path).partition("/")
+        full = f"{prefix.rstrip('/')}/{key}" if prefix else key
+        try:
+            await fs._call_s3("put_object", Bucket=bucket, Key=full, Body=data, IfNoneMatch="*")
+            return True
+        except Exception as e:  # noqa: BLE001 - 412: another part completed it
+            text = f"{type(e).__name__} {e}"
+            if "412" in text or "PreconditionFailed" in text or isinstance(e, FileExistsError):
+                return False
+            raise
+    if await store.exists(key):
+        return False
+    await store.set(key, buf)
+    return True
+
+
+async def _write_part(store, record: CaptureRecord, rows: bool, summary_stats: dict[str, Any] | None):
+    import asyncio
+
+    from zarr.core.buffer import default_buffer_prototype
+
+    part = record.part
+    assert part is not None
+    prefix = capture_prefix(record.trace_id, record.request_id)
+    L, H, T = len(record.layers), int(record.num_heads), int(record.num_tokens)
+    missing = [x for x in part.layers if x not in record.layers]
+    if missing or part.heads[1] > H:
+        raise StoreError(f"capture part {part.index} holds layers {list(part.layers)} and heads "
+                         f"{list(part.heads)}; the capture has layers {list(record.layers)} and {H} heads")
+    pos = [list(record.layers).index(x) for x in part.layers]
+    h0, h1 = part.heads
+    hp = h1 - h0
+    whole_layers = pos == list(range(L))
+    lchunk = L if part.pp == 1 else 1  # pipeline stages hold different layers: one layer per chunk
+    group = await _ensure_group(store, prefix, {"attn_otel": {k: v for k, v in summary(record).items()
+                                                              if k in _SUMMARY_FIELDS or k == "format"}})
+
+    async def region(arr, data, axis: int) -> None:
+        """This part's heads of its layers; ``axis`` is the array's layer axis (heads follow it)."""
+        lead = (slice(None),) * axis
+        if whole_layers:
+            await arr.setitem(lead + (slice(None), slice(h0, h1)), data)
+        else:
+            await asyncio.gather(*(arr.setitem(lead + (li, slice(h0, h1)), np.take(data, j, axis=axis))
+                                   for j, li in enumerate(pos)))
+
+    written = 0
+    jobs = []
+    if record.maps is not None:
+        if record.maps.shape != (len(pos), hp, T, T):
+            raise StoreError(f"part maps have shape {record.maps.shape}, expected {(len(pos), hp, T, T)}")
+
+        async def maps():
+            arr = await _ensure_array(group, "attn", shape=(L, H, T, T), dtype="float16",
+                                      chunks=(1, 1, min(T, ROWS_PER_CHUNK), T), fill_value=0.0,
+                                      dimension_names=("layer", "head", "query", "key"))
+            await region(arr, record.maps, 0)
+
+        jobs.append(maps())
+        written += record.maps.nbytes
+    if part.index == 0:  # the same for every part: one writer
+        jobs.append(_ensure_and_write(group, "layers", np.asarray(record.layers, dtype=np.int32)))
+        if record.vision_mask is not None:
+            jobs.append(_ensure_and_write(group, "vision_mask", np.asarray(record.vision_mask, dtype=bool)))
+    if record.token_ids is not None:  # only the rank that samples passes token ids (see the engine)
+        jobs.append(_ensure_and_write(group, "token_ids", np.asarray(record.token_ids, dtype=np.int32)))
+        written += record.token_ids.nbytes
+    if summary_stats is not None:
+        from .metrics import PARTS, SUMMARY_METRICS, SUMMARY_STATS, summary_to_array
+
+        data = summary_to_array(summary_stats, len(pos), hp)
+
+        async def summary_part():
+            arr = await _ensure_array(group, "summary", shape=data.shape[:3] + (L, H), dtype="float32",
+                                      chunks=data.shape[:3] + (lchunk, hp), fill_value=float("nan"),
+                                      attributes={"axes": ["part", "metric", "stat", "layer", "head"],
+                                                  "parts": list(PARTS), "metrics": list(SUMMARY_METRICS),
+                                                  "stats": list(SUMMARY_STATS)})
+            await region(arr, data, 3)
+
+        jobs.append(summary_part())
+        written += data.nbytes
+    if record.metrics and rows:
+        async def metrics():
+            mg = await _ensure_group(store, f"{prefix}/metrics", {})
+
+            async def one(name, value):
+                arr = await _ensure_array(mg, name, shape=(L, H, T), dtype="float32", chunks=(lchunk, hp, T),
+                                          fill_value=float("nan"))
+                await region(arr, np.ascontiguousarray(value, dtype=np.float32), 0)
+
+            await asyncio.gather(*(one(n, v) for n, v in record.metrics.items()))
+
+        jobs.append(metrics())
+        written += sum(v.nbytes for v in record.metrics.values())
+    await asyncio.gather(*jobs)
+    mine = {**part.to_json(), "maps": record.maps is not None, "rows": bool(record.metrics and rows),
+            "metrics": sorted(record.metrics), "summary": summary_stats is not None,
+            "token_ids": record.token_ids is not None, "vision_mask": record.vision_mask is not None,
+            "created": record.created, "span_id": record.span_id}
+    proto = default_buffer_prototype()
+    await store.set(f"{prefix}/{PARTS_DIR}/{part.index}", proto.buffer.from_bytes(json.dumps(mine).encode()))
+    names = [x async for x in store.list_dir(f"{prefix}/{PARTS_DIR}/")]
+    if len({n.rstrip("/") for n in names} & {str(i) for i in range(part.count)}) < part.count:
+        return written, None
+    parts = []
+    for i in range(part.count):
+        buf = await store.get(f"{prefix}/{PARTS_DIR}/{i}", prototype=proto)
+        parts.append(json.loads(buf.to_bytes()))
+    meta = summary(record)
+    meta.update(
+        created=min(float(p["created"]) for p in parts), maps=all(p["maps"] for p in parts),
+        metrics=sorted(record.metrics) if all(p["rows"] for p in parts) else [],
+        token_ids=any(p["token_ids"] for p in parts), vision_mask=any(p["vision_mask"] for p in parts),
+        parts=part.count, parallel={"tp": part.tp, "pp": part.pp})
+    written_layers = {int(x) for p in parts for x in p["layers"]}
+    empty = [int(x) for x in record.layers if int(x) not in written_layers]
+    if empty:  # a stage's layer it could not capture (e.g. sliding window): fill values, and said so
+        meta["empty_layers"] = empty
+    if all(p["summary"] for p in parts):
+        meta["summary_metrics"] = sorted(record.metrics)
+    if not await _claim(store, f"{prefix}/{MARKER}", json.dumps(meta).encode()):
+        return written, None
+    return written, meta
+
+
+async def _ensure_and_write(group, name: str, data: np.ndarray) -> None:
+    arr = await _ensure_array(group, name, shape=data.shape, dtype=data.dtype, chunks=data.shape or (1,))
+    await arr.setitem(slice(None), data)
+
+
+def read_stored_summary(store, trace_id: str, request_id: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a complete capture as stored (all parts merged), for the exporters after the store."""
+    from .metrics import summary_from_array
+
+    import zarr
+
+    arr = zarr.open_array(store=store, path=f"{capture_prefix(trace_id, request_id)}/summary", mode="r")
+    return summary_from_array(np.asarray(arr[...]), meta.get("summary_metrics") or [])
 
 
 def list_trace_ids(store) -> list[str]:

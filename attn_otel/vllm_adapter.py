@@ -207,7 +207,7 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
         by_index[extract_layer_index(name)] = (name, layer)
     for name in sorted(all_names - set(attn)):
         refused.append(f"{name} (not standard softmax attention, e.g. MLA or linear)")
-    num_layers = max(by_index) + 1 if by_index else 0
+    num_layers = _total_layers(runner, max(by_index) + 1 if by_index else 0)
     wanted = resolve_layers(config.layers, num_layers)
     specs = []
     for i in wanted:
@@ -224,6 +224,45 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
                            len(refused), ", ".join(refused[:8]) + (" ..." if len(refused) > 8 else ""))
         logger.info("attn-otel: capturing layers %s of %d", [s.index for s in specs], num_layers)
     return specs, {s.name: attn[s.name] for s in specs}
+
+
+def _total_layers(runner, fallback: int) -> int:
+    """The whole model's layer count (under pipeline parallelism a rank holds only some of them)."""
+    try:
+        return int(runner.vllm_config.model_config.get_total_num_hidden_layers())
+    except Exception:  # noqa: BLE001
+        return fallback
+
+
+def _parallel(runner, config, specs):
+    """This rank's place in a tensor/pipeline-parallel model, or None on a single GPU."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed.utils import get_pp_indices
+
+    from .capture import Parallel
+    from .config import resolve_layers
+
+    pc = runner.vllm_config.parallel_config
+    tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+    if tp * pp == 1:
+        return None
+    total = _total_layers(runner, max(s.index for s in specs) + 1)
+    stage_of = {}
+    for stage in range(pp):
+        start, end = get_pp_indices(total, stage, pp)
+        stage_of.update({layer: stage for layer in range(start, end)})
+    pp_rank = int(get_pp_group().rank_in_group) if pp > 1 else 0
+    # Under pipeline parallelism no rank sees the other stages' layers: every rank captures the same
+    # selection of the whole model (a layer a stage cannot capture stays empty in the capture, and listed).
+    capture = tuple(s.index for s in specs) if pp == 1 else resolve_layers(config.layers, total)
+    heads = max(s.num_heads for s in specs)
+    par = Parallel(tp_rank=int(get_tensor_model_parallel_rank()), tp=tp, pp_rank=pp_rank, pp=pp,
+                   total_heads=heads * tp, stage_of=stage_of, capture_layers=tuple(capture),
+                   id_seed=str(getattr(runner.vllm_config, "instance_id", "") or ""))
+    logger.info("attn-otel: tensor parallel rank %d/%d (heads %d-%d of %d), pipeline stage %d/%d (layers %s)",
+                par.tp_rank, tp, par.tp_rank * heads, (par.tp_rank + 1) * heads - 1, par.total_heads, pp_rank, pp,
+                [s.index for s in specs])
+    return par
 
 
 def _model_dtype(runner):
@@ -294,6 +333,7 @@ def _install(runner, kv_cache_config) -> None:
                            attrs={"attention_impl": backend})
     engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()
+    engine.parallel = _parallel(runner, config, specs)
     runner._attn_otel = engine
     for spec in specs:
         _tap_layer(engine, spec, layers[spec.name])

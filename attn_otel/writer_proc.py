@@ -70,7 +70,8 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
                 fanout = build_exporters(_config(store_url, config_json))
             item = ExportItem(rec, latency_s=float(msg.get("latency_s", 0.0)))
             errors = fanout.export(item)
-            reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors}
+            reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors,
+                     "complete": item.complete, "maps_stored": bool(item.maps_stored)}
             del views, per_row, metrics, rec, item
         except Exception as e:  # noqa: BLE001 - reported to the engine side, which counts it
             reply = {"id": msg_id, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}

@@ -17,6 +17,11 @@ class ExportItem:
     ``record`` holds the arrays (metrics per row, maps when selected).  ``latency_s`` is the time from the
     request's finish to its metrics being on the host.  Exporters earlier in the fan-out leave what later
     ones reference: the Zarr exporter sets ``uri`` (where the capture is, or None when it was not stored).
+
+    Tensor/pipeline parallel: a record that is one rank's part (``record.part``) is written by the Zarr
+    exporter; only the part that completes the capture goes on to the other exporters, and for them the
+    Zarr exporter replaces ``record`` by the whole capture's view (no arrays) and sets the merged summary
+    it read back.  The other parts come out ``deferred``: the fan-out stops after the store.
     """
 
     record: CaptureRecord
@@ -24,6 +29,12 @@ class ExportItem:
     uri: str | None = None
     bytes_written: int = 0
     _summary: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
+    deferred: bool = False  # a part that did not complete its capture: nothing after the store
+    maps_stored: bool | None = None  # set by the store; None: whether the record carries maps
+
+    @property
+    def complete(self) -> bool:
+        return not self.deferred
 
     @property
     def summary(self) -> dict[str, Any]:
@@ -60,6 +71,8 @@ class FanOut:
     def export(self, item: ExportItem) -> dict[str, str]:
         errors: dict[str, str] = {}
         for exp in self.exporters:
+            if item.deferred:
+                break
             try:
                 exp.export(item)
             except Exception as e:  # noqa: BLE001 - counted by the caller, logged once per exporter and type

@@ -185,7 +185,8 @@ class OtelExporter:
     def attributes(self, item: ExportItem) -> dict[str, Any]:
         record = item.record
         layers = [int(x) for x in record.layers]
-        maps_stored = record.maps is not None and item.uri is not None
+        maps_stored = (record.maps is not None if item.maps_stored is None else item.maps_stored) \
+            and item.uri is not None
         prompt, total = int(record.prompt_len), int(record.num_tokens)
         attrs: dict[str, Any] = {
             "attn_otel.request_id": str(record.request_id),
