@@ -262,7 +262,7 @@ class Handoff:
     """Bounded (in bytes) queue from the engine loop to one writer thread: put never blocks; when a
     capture does not fit, it is dropped and counted."""
 
-    def __init__(self, config: Config, stats: Stats, sink: Callable[[_Job], None]):
+    def __init__(self, config: Config, stats: Stats, sink: Callable[[_Job], None], ranks: int = 1):
         self.capacity = config.queue_bytes
         self.stats = stats
         self._sink = sink
@@ -275,7 +275,7 @@ class Handoff:
         from .config import writer_count
 
         self._threads = [threading.Thread(target=self._run, name=f"attn-otel-writer-{i}", daemon=True)
-                         for i in range(writer_count(config))]
+                         for i in range(writer_count(config, ranks))]
         for t in self._threads:
             t.start()
         _at_exit(self._drain_at_exit)
@@ -333,7 +333,8 @@ class CaptureEngine:
     """Owns the tap, turns finished requests into captures, and hands them to the writer."""
 
     def __init__(self, config: Config, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype,
-                 device, model: str = "", engine_version: str = "", attrs: dict[str, Any] | None = None):
+                 device, model: str = "", engine_version: str = "", attrs: dict[str, Any] | None = None,
+                 parallel: Parallel | None = None):
         self.config = config
         self.layers = list(layers)
         self.layer_ids = tuple(s.index for s in self.layers)
@@ -343,13 +344,13 @@ class CaptureEngine:
         self.engine_version = engine_version
         self.attrs = dict(attrs or {})
         self.stats = Stats()
-        self.parallel: Parallel | None = None  # set by the adapter under tensor/pipeline parallelism
+        self.parallel = parallel  # this rank's place under tensor/pipeline parallelism (None: one GPU)
         self._warned: set[str] = set()
         # Per writer thread: its exporters (ATTN_OTEL_WRITER=thread) or its writer process.
         self._local = threading.local()
         self._fanouts: list = []
         self._writer_procs: list = []
-        self.handoff = Handoff(config, self.stats, self._write)
+        self.handoff = Handoff(config, self.stats, self._write, 1 if parallel is None else parallel.tp * parallel.pp)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
         self._fused = triton_metrics.available(self.device)

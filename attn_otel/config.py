@@ -221,10 +221,12 @@ def s3_timeout_s(env: Mapping[str, str] | None = None) -> float:
     return float(_number(env, ATTN_OTEL_S3_TIMEOUT_S, S3_TIMEOUT_S, float, 0.1, 3600.0))
 
 
-def writer_count(config: "Config") -> int:
+def writer_count(config: "Config", ranks: int = 1) -> int:
+    """``ATTN_OTEL_WRITERS``, or one per 4 CPUs (1 to 4), shared among the ``ranks`` worker processes of a
+    tensor/pipeline-parallel engine on one host."""
     if config.writers > 0:
         return config.writers
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return max(1, min(4, (os.cpu_count() or 1) // 4 // max(1, ranks)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -330,10 +330,9 @@ def _install(runner, kv_cache_config) -> None:
     backend = type(layers[specs[0].name].impl).__name__
     engine = CaptureEngine(config, specs, num_slots, _model_dtype(runner), runner.device,
                            model=str(model), engine_version=f"vllm {vllm.__version__}",
-                           attrs={"attention_impl": backend})
+                           attrs={"attention_impl": backend}, parallel=_parallel(runner, config, specs))
     engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()
-    engine.parallel = _parallel(runner, config, specs)
     runner._attn_otel = engine
     for spec in specs:
         _tap_layer(engine, spec, layers[spec.name])

@@ -216,3 +216,13 @@ def test_huge_hostile_values_give_short_warnings():
                                      "traceparent": "0" * 1_000_000})
     assert len(options.warnings) == 3
     assert all(len(w) < 300 for w in options.warnings)
+
+
+def test_auto_writers_are_shared_among_the_ranks_of_a_parallel_engine(monkeypatch):
+    from attn_otel.config import writer_count
+
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    assert writer_count(Config()) == 4
+    assert writer_count(Config(), ranks=8) == 2  # 8 ranks on a 64-CPU host: 16 writers, not 32
+    assert writer_count(Config(), ranks=32) == 1
+    assert writer_count(Config(writers=3), ranks=8) == 3  # an explicit count is per rank, as given

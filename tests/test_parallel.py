@@ -191,12 +191,12 @@ def _rank_engine(store, tp_rank, tp, pp_rank, pp, *, writer="thread", seed="inst
     mine = range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
     specs = [LayerSpec(index=i, name=f"l{i}", num_heads=hq, num_kv_heads=hk, head_dim=D, scale=D ** -0.5)
              for i in mine]
+    par = None if tp * pp == 1 else Parallel(
+        tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp, total_heads=HEADS,
+        stage_of={i: i // per_stage for i in range(ENGINE_LAYERS)}, capture_layers=tuple(range(ENGINE_LAYERS)),
+        id_seed=seed)
     eng = CaptureEngine(Config(store=str(store), layers="all", writer=writer, row_metrics="all"),
-                        specs, 512, torch.float32, "cpu")
-    if tp * pp > 1:
-        eng.parallel = Parallel(tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp, total_heads=HEADS,
-                                stage_of={i: i // per_stage for i in range(ENGINE_LAYERS)},
-                                capture_layers=tuple(range(ENGINE_LAYERS)), id_seed=seed)
+                        specs, 512, torch.float32, "cpu", parallel=par)
     q, k = _model_qk(400)
     for i in mine:
         eng.tap.write(i, q[i][:, tp_rank * hq:(tp_rank + 1) * hq], k[i][:, tp_rank * hk:(tp_rank + 1) * hk],
