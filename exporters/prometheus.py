@@ -325,7 +325,11 @@ class AttnOtelCollector:
         # counters and gauges: the engine processes' stats files
         stats = self._files(STATS_FILE)
         totals = {"captured": 0, "stored": 0, "maps_stored": 0, "bytes_written": 0}
-        by_label: dict[str, dict[str, int]] = {"dropped": {}, "skipped": {}, "export_errors": {}}
+        # Every known reason is there from the first scrape (at 0), so that rate() and increase() see a
+        # reason's first event instead of a series that starts at 1.
+        by_label: dict[str, dict[str, int]] = {"dropped": dict.fromkeys(DROP_REASONS, 0) if stats else {},
+                                               "skipped": dict.fromkeys(SKIP_REASONS, 0) if stats else {},
+                                               "export_errors": dict.fromkeys(EXPORTERS, 0) if stats else {}}
         gauges: dict[str, dict[str, float]] = {"tap": {}, "queue": {}}
         for pid, snap in stats:
             if not isinstance(snap, dict):
@@ -349,10 +353,9 @@ class AttnOtelCollector:
         ):
             families.append(CounterMetricFamily(PREFIX + name, help_, value=totals[field]))
         for name, field, label, help_ in (
-                ("captures_dropped", "dropped", "reason", "Captures lost, by reason (queue_full, "
-                 "device_queue_full, capture_error, store_error, shutdown)."),
-                ("skips", "skipped", "reason", "Requests or maps not captured by design, by reason (request_off, "
-                 "no_tokens, no_layers, map_too_long, maps_queue_full)."),
+                ("captures_dropped", "dropped", "reason", f"Captures lost, by reason ({', '.join(DROP_REASONS)})."),
+                ("skips", "skipped", "reason", "Requests or maps not captured by design, by reason "
+                 f"({', '.join(SKIP_REASONS)})."),
                 ("export_errors", "export_errors", "exporter", "Exporter failures other than the store's, by "
                  "exporter."),
         ):
@@ -373,6 +376,11 @@ class AttnOtelCollector:
                 fam.add_metric([queue], v)
             families.append(fam)
         return families
+
+
+DROP_REASONS = ("queue_full", "device_queue_full", "capture_error", "store_error", "shutdown")
+SKIP_REASONS = ("request_off", "no_tokens", "no_layers", "map_too_long", "maps_queue_full")
+EXPORTERS = ("otel", "prometheus")  # the exporters after the store whose failures are counted
 
 
 def _label_order(key: tuple[str, tuple[tuple[str, str], ...]]) -> tuple:
