@@ -30,7 +30,8 @@ import torch
 from . import triton_metrics
 from .attention import METRICS, ROWS, attention_metrics
 from .config import Config, RequestOptions
-from .ids import derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent
+from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent,
+                  traceparent_sampled)
 from .store import CapturePart, CaptureRecord
 
 logger = logging.getLogger("attn_otel")
@@ -432,8 +433,10 @@ class CaptureEngine:
             trace_id, parent = derived_trace_id(par.id_seed, req.request_id), None
         else:
             trace_id, parent = new_trace_id(), None
+        sampled = True
         if opts.traceparent:
             trace_id, parent = parse_traceparent(opts.traceparent)  # type: ignore[misc]
+            sampled = traceparent_sampled(opts.traceparent)
         want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))
         if want_maps and T > self.config.max_map_tokens:
             self.stats.add("skipped", reason="map_too_long")
@@ -458,7 +461,7 @@ class CaptureEngine:
                 self.stats.add("dropped", reason="device_queue_full")
                 return None
             return {"layers": layers, "T": T, "nbytes": nbytes, "device": device, "trace_id": trace_id,
-                    "parent": parent, "t0": t0, "wanted": wanted}
+                    "parent": parent, "t0": t0, "wanted": wanted, "sampled": sampled}
         gathered = sum(T * (s.num_heads + s.num_kv_heads) * s.head_dim for s in layers) * self.tap.itemsize
         if not self._device_reserve(gathered):
             self.handoff.release(nbytes)
@@ -469,6 +472,7 @@ class CaptureEngine:
             return
         try:
             pending = self._gather(req, layers, T, want_maps, nbytes, gathered, trace_id, parent, wanted)
+            pending.record.sampled = sampled
         except BaseException:
             self.handoff.release(nbytes)
             self._device_release(gathered)
@@ -498,6 +502,7 @@ class CaptureEngine:
             T = info["T"]
             rec, tok_dev = self._record(req, info["layers"], T, False, info["trace_id"], info["parent"],
                                         info["wanted"])
+            rec.sampled = info["sampled"]
             if rec.vision_mask is not None:
                 vision_any = True
                 vision_host[cu[i]:cu[i + 1]] = rec.vision_mask

@@ -25,6 +25,12 @@ def parse_traceparent(value: str) -> tuple[str, str] | None:
     return m.group(2), m.group(3)
 
 
+def traceparent_sampled(value: str) -> bool:
+    """The W3C ``sampled`` flag of a traceparent (True when it is not a valid one: nothing says otherwise)."""
+    m = _TRACEPARENT.match(value.strip().lower()) if isinstance(value, str) else None
+    return True if m is None else bool(int(m.group(4), 16) & 1)
+
+
 def new_trace_id() -> str:
     return secrets.token_hex(16)
 

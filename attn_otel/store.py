@@ -111,6 +111,7 @@ class CaptureRecord:
     # Tensor/pipeline parallel: this record is one rank's part.  ``layers`` and ``num_heads`` still describe
     # the whole capture; ``maps`` is [len(part.layers), part heads, T, T] and each metric [.., .., T].
     part: CapturePart | None = None
+    sampled: bool = True  # the client's W3C sampled flag (a ``-00`` traceparent: the span is not sampled)
 
     def __post_init__(self) -> None:
         if isinstance(self.part, dict):  # from the writer process's JSON

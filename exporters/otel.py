@@ -169,9 +169,11 @@ class OtelExporter:
         span_id = int(record.span_id, 16)
         context = Context()  # never the ambient context: the capture's traceparent alone is the parent
         if record.parent_span_id:
-            # The capture does not keep the client's sampled flag; it was captured, so it is reported.
+            # The client's sampled flag: with the SDK's default parent-based sampler, a request sent with a
+            # ``-00`` traceparent gets no capture span (its capture is stored all the same).
+            flags = trace_api.TraceFlags.SAMPLED if record.sampled else trace_api.TraceFlags.DEFAULT
             parent = trace_api.SpanContext(trace_id, int(record.parent_span_id, 16), is_remote=True,
-                                           trace_flags=trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED))
+                                           trace_flags=trace_api.TraceFlags(flags))
             context = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent), context)
         start_ns = int(record.created * 1e9)
         end_ns = max(time.time_ns(), start_ns)

@@ -179,3 +179,16 @@ def test_maps_captures_keep_their_rows_by_default(tmp_path):
     (cap,) = attn_otel.open_trace(trace, str(tmp_path / "store"))
     assert cap.has_maps and cap.has_row_metrics and cap.metrics["entropy"].shape == (1, 4, 30)
     eng.close()
+
+
+def test_the_clients_sampled_flag_reaches_the_record(tmp_path):
+    eng = _engine(tmp_path, writer="thread")
+    seen = []
+    orig = eng._write_in_thread
+    eng._write_in_thread = lambda rec, job, names, latency: (seen.append(rec.sampled), orig(rec, job, names, latency))[1]
+    for flags in ("01", "00"):
+        req = _req(30, "metrics", new_trace_id())
+        req.extra_args["traceparent"] = req.extra_args["traceparent"][:-2] + flags
+        eng.on_finished(req)
+        assert eng.flush(30)
+    assert seen == [True, False]

@@ -122,3 +122,14 @@ def test_sampling_keeps_about_the_fraction():
     ids = [new_trace_id() for _ in range(4000)]
     share = sum(maps_sampled(t, 0.25) for t in ids) / len(ids)
     assert 0.2 < share < 0.3
+
+
+def test_traceparent_sampled_flag():
+    from attn_otel.ids import traceparent_sampled
+
+    trace, span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    assert traceparent_sampled(f"00-{trace}-{span}-01")
+    assert not traceparent_sampled(f"00-{trace}-{span}-00")
+    assert traceparent_sampled(f"00-{trace}-{span}-03")  # other flag bits beside sampled
+    assert not traceparent_sampled(f"00-{trace}-{span}-02")
+    assert traceparent_sampled("garbage")  # not a traceparent: nothing says "not sampled"

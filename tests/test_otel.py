@@ -147,6 +147,19 @@ def test_root_span_in_the_captures_trace_without_traceparent(otlp_receiver, monk
     assert (span.trace_id, span.span_id, span.parent_span_id) == (item.record.trace_id, item.record.span_id, "")
 
 
+def test_a_client_that_did_not_sample_its_trace_gets_no_capture_span(otlp_receiver, monkeypatch):
+    """W3C ``-00``: the SDK's parent-based sampler drops the capture span; a sampled sibling still goes."""
+    _use(monkeypatch, otlp_receiver)
+    unsampled, sampled = _item(), _item()
+    unsampled.record.sampled = False
+    exporter = otel.from_config(Config(store="/tmp/store"))
+    exporter.export(unsampled)
+    exporter.export(sampled)
+    exporter.shutdown()
+    _received(otlp_receiver, sampled)
+    assert otlp_receiver.find(lambda s: s.trace_id == unsampled.record.trace_id) == []
+
+
 def test_no_prompt_text_on_the_wire(otlp_receiver, monkeypatch):
     _use(monkeypatch, otlp_receiver)
     item = _item()
