@@ -804,8 +804,13 @@ class CaptureEngine:
 
     def _writer_call(self, line: str) -> dict:
         import json
+        import select
         import subprocess
         import sys
+
+        from .config import writer_timeout_s
+
+        timeout = writer_timeout_s(self.config)
 
         for _ in range(2):  # a writer that died is restarted once per capture
             proc = getattr(self._local, "proc", None)
@@ -825,6 +830,14 @@ class CaptureEngine:
             try:
                 proc.stdin.write(line + "\n")
                 proc.stdin.flush()
+                # A writer that hangs (a stuck store client, a stopped process) must not hold this writer
+                # thread for ever: past the deadline it is killed, this capture is counted, the next one
+                # gets a fresh writer.
+                if not select.select([proc.stdout], [], [], timeout)[0]:
+                    proc.kill()
+                    self.warn_once("writer-hung", "a writer process did not answer within %.0f s "
+                                   "(ATTN_OTEL_WRITER_TIMEOUT_S); killed, a new one takes the next capture", timeout)
+                    raise RuntimeError(f"the writer process did not answer within {timeout:.0f} s; killed")
                 answer = proc.stdout.readline()
                 if answer:
                     return json.loads(answer)

@@ -53,6 +53,11 @@ ATTN_OTEL_WRITERS = "ATTN_OTEL_WRITERS"
 ``0`` (default): one per 4 CPUs, at least 1 and at most 4.  Captures of one request never split across
 writers; more writers keep up with more finishing requests per second."""
 
+ATTN_OTEL_WRITER_TIMEOUT_S = "ATTN_OTEL_WRITER_TIMEOUT_S"
+"""Seconds a writer process may take to answer for one capture before it is killed (the capture counted
+as ``store_error``) and a fresh one started for the next capture.  ``0`` (default): 12 S3 timeouts plus a
+minute (180 s with the default ``ATTN_OTEL_S3_TIMEOUT_S``), far above any healthy write."""
+
 ATTN_OTEL_ROW_METRICS = "ATTN_OTEL_ROW_METRICS"
 """Which captures store their per-row metrics (``metrics/{name}`` ``[layers, heads, T]``): ``maps`` (default)
 only the captures whose maps are stored; ``all`` every capture.  Every capture stores its summary (means
@@ -154,6 +159,7 @@ class Config:
     writer: str = "process"
     writers: int = 0
     row_metrics: str = "maps"
+    writer_timeout_s: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "Config":
@@ -184,6 +190,8 @@ class Config:
                 _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1", d.store_tokens)
         values["stats_dir"] = env.get(ATTN_OTEL_STATS_DIR, "").strip() or None
         values["writers"] = _number(env, ATTN_OTEL_WRITERS, d.writers, int, 0, 64)
+        values["writer_timeout_s"] = _number(env, ATTN_OTEL_WRITER_TIMEOUT_S, d.writer_timeout_s, float, 0.0,
+                                             86400.0)
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values.update(overrides)
@@ -219,6 +227,11 @@ def s3_timeout_s(env: Mapping[str, str] | None = None) -> float:
     """:data:`ATTN_OTEL_S3_TIMEOUT_S` (a bad value: a logged warning and the default)."""
     env = os.environ if env is None else env
     return float(_number(env, ATTN_OTEL_S3_TIMEOUT_S, S3_TIMEOUT_S, float, 0.1, 3600.0))
+
+
+def writer_timeout_s(config: "Config") -> float:
+    """:data:`ATTN_OTEL_WRITER_TIMEOUT_S`, or its default from the S3 timeout."""
+    return config.writer_timeout_s if config.writer_timeout_s > 0 else 12 * s3_timeout_s() + 60.0
 
 
 def writer_count(config: "Config", ranks: int = 1) -> int:

@@ -1,5 +1,6 @@
 """The vLLM-free capture engine: hand-off bounds, skips and drops are counted, and exit drains."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -192,3 +193,30 @@ def test_the_clients_sampled_flag_reaches_the_record(tmp_path):
         eng.on_finished(req)
         assert eng.flush(30)
     assert seen == [True, False]
+
+
+def test_a_writer_process_that_stops_answering_is_replaced(tmp_path):
+    """A hung writer (here: SIGSTOPped) costs one capture, counted, not the writer thread for ever."""
+    import signal
+
+    eng = _engine(tmp_path, writer="process", writers=1, writer_timeout_s=3.0)
+    first = new_trace_id()
+    eng.on_finished(_req(20, "metrics", first))
+    assert eng.flush(60)
+    (proc,) = eng._writer_procs
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        eng.on_finished(_req(21, "metrics", new_trace_id()))
+        assert eng.flush(60)
+        assert eng.stats.snapshot()["dropped"] == {"store_error": 1}
+        assert proc.wait(10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+    last = new_trace_id()
+    eng.on_finished(_req(22, "metrics", last))
+    assert eng.flush(60)
+    assert len(eng._writer_procs) == 2 and eng.stats.snapshot()["stored"] == 2
+    for trace in (first, last):
+        (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    eng.close()
