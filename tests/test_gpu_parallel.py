@@ -174,6 +174,7 @@ def test_parallel_maps_equal_single_gpu_maps_and_hf_eager(runs, gpu_model, name)
         assert got.meta["parts"] == 2 and got.meta["parallel"] == dict(zip(("tp", "pp"), CONFIGS[name]))
         assert got.num_tokens == want.num_tokens and got.prompt_len == want.prompt_len
         T = got.num_tokens
+        assert list(got.token_ids) == run["outputs"][r["trace"]]["ids"][:T]  # written by the sampling stage
         n = _agreeing_rows(list(got.token_ids), list(want.token_ids), T)
         assert n >= got.prompt_len  # prompts are identical: at least every prompt row compares
         if r["mode"] == "maps":
