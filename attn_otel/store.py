@@ -342,12 +342,21 @@ def summary_meta(record: CaptureRecord, rows: bool, summary_stats: Any) -> dict[
 async def _ensure_array(group, name: str, **kwargs):
     """Create an array, or open it when another part created it first.  Every part creates it from the
     same arguments, so the metadata documents are identical and a race between two creators is harmless."""
+    import asyncio
+
     from zarr.errors import ContainsArrayError, ContainsGroupError
 
     try:
         return await group.create_array(name, overwrite=False, **kwargs)
     except (ContainsArrayError, ContainsGroupError, FileExistsError):
-        arr = await group.getitem(name)
+        for attempt in range(5):  # the other part may be writing the metadata document at this very moment
+            try:
+                arr = await group.getitem(name)
+                break
+            except Exception:  # noqa: BLE001 - half-written JSON, or not listed yet
+                if attempt == 4:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
         if tuple(arr.shape) != tuple(kwargs["shape"]):
             raise StoreError(f"{group.path}/{name} has shape {tuple(arr.shape)}, this part expects "
                              f"{tuple(kwargs['shape'])}: two engines wrote the same request id") from None
