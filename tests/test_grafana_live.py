@@ -15,8 +15,9 @@ import pytest
 
 import attn_otel
 import prom
-from scraped import SCRAPED_LAYERS
+from attn_otel.exporters.prometheus import DROP_REASONS, SKIP_REASONS
 from grafana import generate
+from scraped import SCRAPED_LAYERS
 
 pytestmark = [pytest.mark.engine,
               pytest.mark.skipif(not prom.available(), reason="Prometheus is installed by setup.sh")]
@@ -91,16 +92,20 @@ def test_the_skips_panel_shows_the_request_turned_off(live):
     totals = next(p for p, _ in generate.iter_targets(generate.build()["capture-pipeline.json"])
                   if p["title"].startswith("Dropped and skipped"))
     _, result, _ = _run(live, "attn-otel", totals["targets"][1])
-    assert {s["metric"]["reason"]: float(s["value"][1]) for s in result} == {"request_off": 1.0}, result
+    # every known reason is exported from the first scrape (at 0), so the panel lists them all
+    assert {s["metric"]["reason"]: float(s["value"][1]) for s in result} == {
+        **dict.fromkeys(SKIP_REASONS, 0.0), "request_off": 1.0}, result
     _, result, _ = _run(live, "attn-otel", totals["targets"][0])
-    assert {s["metric"]["reason"]: float(s["value"][1]) for s in result} == {"none": 0.0}, result
+    assert {s["metric"]["reason"]: float(s["value"][1]) for s in result} == dict.fromkeys(DROP_REASONS, 0.0), result
 
 
 def test_the_drops_panel_shows_none_in_a_healthy_run(live):
     panel = next(p for p, _ in generate.iter_targets(generate.build()["capture-pipeline.json"])
                  if p["title"].startswith("Drops"))
     _, result, finite = _run(live, "attn-otel", panel["targets"][0])
-    assert {s["metric"].get("reason") for s in result} == {"none"} and set(finite) == {0.0}, result
+    reasons = {s["metric"].get("reason") for s in result}
+    # every known reason at 0 (the panel's "none" fallback only before the first scrape of the range)
+    assert set(DROP_REASONS) <= reasons <= {*DROP_REASONS, "none"} and set(finite) == {0.0}, result
 
 
 @pytest.mark.parametrize("file", ["attention-health.json", "capture-pipeline.json"])
