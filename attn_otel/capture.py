@@ -75,8 +75,8 @@ class Parallel:
         if self.pp_rank not in stages:
             return None
         mine = tuple(x for x in layers if self.stage_of.get(x) == self.pp_rank and x in local)
-        return CapturePart(index=stages.index(self.pp_rank) * self.tp + self.tp_rank, count=len(stages) * self.tp,
-                           heads=(self.tp_rank * local_heads, (self.tp_rank + 1) * local_heads), layers=mine,
+        return CapturePart(index=stages.index(self.pp_rank) * self.tp + self.tp_rank,
+                           count=len(stages) * self.tp, heads=(self.tp_rank * local_heads, (self.tp_rank + 1) * local_heads), layers=mine,
                            tp=self.tp, pp=self.pp)
 
 
@@ -471,8 +471,7 @@ class CaptureEngine:
                            self.config.device_queue_bytes)
             return
         try:
-            pending = self._gather(req, layers, T, want_maps, nbytes, gathered, trace_id, parent, wanted)
-            pending.record.sampled = sampled
+            pending = self._gather(req, layers, T, want_maps, nbytes, gathered, trace_id, parent, wanted, sampled)
         except BaseException:
             self.handoff.release(nbytes)
             self._device_release(gathered)
@@ -501,8 +500,7 @@ class CaptureEngine:
         for i, (req, info) in enumerate(batch):
             T = info["T"]
             rec, tok_dev = self._record(req, info["layers"], T, False, info["trace_id"], info["parent"],
-                                        info["wanted"])
-            rec.sampled = info["sampled"]
+                                        info["wanted"], info["sampled"])
             if rec.vision_mask is not None:
                 vision_any = True
                 vision_host[cu[i]:cu[i + 1]] = rec.vision_mask
@@ -565,8 +563,8 @@ class CaptureEngine:
         pos = np.arange(T, dtype=np.int64)
         return blocks[pos // bs] * bs + pos % bs
 
-    def _record(self, req, layers, T, want_maps, trace_id, parent,
-                wanted: Sequence[int] = ()) -> tuple[CaptureRecord, torch.Tensor | None]:
+    def _record(self, req, layers, T, want_maps, trace_id, parent, wanted: Sequence[int] = (),
+                sampled: bool = True) -> tuple[CaptureRecord, torch.Tensor | None]:
         """The capture's record; under tensor/pipeline parallelism, this rank's part of the capture of
         ``wanted`` (the request's layers on every stage), ``layers`` being those this rank holds."""
         vision_np = None
@@ -600,12 +598,12 @@ class CaptureEngine:
             model=self.model, engine_version=self.engine_version, mode="maps" if want_maps else "metrics",
             token_ids=tokens, vision_mask=vision_np,
             attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens},
-            part=part,
+            part=part, sampled=sampled,
         )
         return record, tokens_dev
 
     def _gather(self, req, layers, T, want_maps, nbytes, gathered, trace_id, parent,
-                wanted: Sequence[int] = ()) -> "_Pending":
+                wanted: Sequence[int] = (), sampled: bool = True) -> "_Pending":
         """Engine loop: copy the request's Q/K out of the tap before its blocks can be reused.  Only
         device copies are enqueued here (on the engine's stream); the math runs on the compute thread."""
         cuda = self.device.type == "cuda"
@@ -615,7 +613,7 @@ class CaptureEngine:
             if spec.group not in slots_by_group:
                 slots_by_group[spec.group] = self._slots(req, spec.group, T)
             qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
-        record, tokens_dev = self._record(req, layers, T, want_maps, trace_id, parent, wanted)
+        record, tokens_dev = self._record(req, layers, T, want_maps, trace_id, parent, wanted, sampled)
         ready = None
         if cuda:
             ready = torch.cuda.Event()

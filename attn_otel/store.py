@@ -249,42 +249,41 @@ def write_capture(store, record: CaptureRecord, *, rows: bool = True,
                   summary: dict[str, Any] | None = None) -> int:
     """Write one capture, marker last (see :func:`write_capture_part` for a record that is one rank's part).
     Returns the bytes handed to the store (before compression)."""
-    if record.part is not None:
-        return write_capture_part(store, record, rows=rows, summary=summary)[0]
-    return _write_whole(store, record, rows=rows, summary=summary)
+    return write_capture_part(store, record, rows=rows, summary=summary)[0]
 
 
 def write_capture_part(store, record: CaptureRecord, *, rows: bool = True,
                        summary: dict[str, Any] | None = None) -> tuple[int, dict[str, Any] | None]:
-    """Write one rank's part of a capture (its heads of its layers), then its part marker.  Returns
-    ``(bytes, marker)``: ``marker`` is the capture's ``COMPLETE`` marker when this call completed the
-    capture (every part's marker was present and this rank won the conditional create), else None."""
+    """Write one rank's part of a capture (its heads of its layers), then its part marker; or, for a record
+    that is no part, the whole capture.  Returns ``(bytes, marker)``: ``marker`` is the capture's ``COMPLETE``
+    marker when this call completed the capture (always for a whole capture; for a part, when every part's
+    marker was present and this rank won the conditional create), else None."""
     if record.part is None:
-        return _write_whole(store, record, rows=rows, summary=summary), summary_meta(record, rows, summary)
+        return _sync(_write_capture(store, record, rows, summary))
     return _sync(_write_part(store, record, rows, summary))
 
 
-def _write_whole(store, record: CaptureRecord, *, rows: bool = True,
-                 summary: dict[str, Any] | None = None) -> int:
-    """Write one capture, marker last.  Returns the bytes handed to the store (before compression).
+async def _write_capture(store, record: CaptureRecord, rows: bool = True,
+                         summary_stats: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """Write one capture by one writer, marker last.  Returns the bytes handed to the store (before
+    compression) and the marker.
 
-    ``rows=False`` leaves the per-row metrics out; ``summary`` (:func:`attn_otel.metrics.summarize` of
-    them) is then stored as one small ``summary`` array ``[part, metric, stat, layer, head]``.
+    ``rows=False`` leaves the per-row metrics out; ``summary_stats`` (:func:`attn_otel.metrics.summarize`
+    of them) is then stored as one small ``summary`` array ``[part, metric, stat, layer, head]``.
 
     Every array of the capture is created and written concurrently (one round of zarr's async I/O, not one
     per array: on S3 that is one round trip's latency instead of a dozen); the ``COMPLETE`` marker goes
     only after all of them have landed."""
-    return _sync(_write_capture(store, record, rows, summary))
-
-
-async def _write_capture(store, record: CaptureRecord, rows: bool = True,
-                         summary_stats: dict[str, Any] | None = None) -> int:
     import asyncio
 
     from zarr.api.asynchronous import open_group
 
     prefix = capture_prefix(record.trace_id, record.request_id)
-    meta = summary_meta(record, rows, summary_stats)
+    meta = summary(record)
+    if not rows:
+        meta["metrics"] = []
+    if summary_stats is not None:
+        meta["summary_metrics"] = sorted(n for n in record.metrics)
     group = await open_group(store=store, path=prefix, mode="w", attributes={"attn_otel": meta})
     written = 0
     jobs = []
@@ -307,12 +306,10 @@ async def _write_capture(store, record: CaptureRecord, rows: bool = True,
     if record.vision_mask is not None:
         jobs.append(group.create_array("vision_mask", data=np.asarray(record.vision_mask, dtype=bool)))
     if summary_stats is not None:
-        from .metrics import PARTS, SUMMARY_METRICS, SUMMARY_STATS, summary_to_array
+        from .metrics import summary_to_array
 
         arr = summary_to_array(summary_stats, len(record.layers), int(record.num_heads))
-        jobs.append(group.create_array("summary", data=arr, attributes={
-            "axes": ["part", "metric", "stat", "layer", "head"], "parts": list(PARTS),
-            "metrics": list(SUMMARY_METRICS), "stats": list(SUMMARY_STATS)}))
+        jobs.append(group.create_array("summary", data=arr, attributes=_summary_attributes()))
         written += arr.nbytes
     if record.metrics and rows:
         async def metrics():
@@ -326,17 +323,15 @@ async def _write_capture(store, record: CaptureRecord, rows: bool = True,
     from zarr.core.buffer import default_buffer_prototype
 
     await store.set(f"{prefix}/{MARKER}", default_buffer_prototype().buffer.from_bytes(json.dumps(meta).encode()))
-    return written
+    return written, meta
 
 
-def summary_meta(record: CaptureRecord, rows: bool, summary_stats: Any) -> dict[str, Any]:
-    """The ``COMPLETE`` marker of a capture written by one writer."""
-    meta = summary(record)
-    if not rows:
-        meta["metrics"] = []
-    if summary_stats is not None:
-        meta["summary_metrics"] = sorted(n for n in record.metrics)
-    return meta
+def _summary_attributes() -> dict[str, Any]:
+    """The ``summary`` array's attributes: the names along its first three axes."""
+    from .metrics import PARTS, SUMMARY_METRICS, SUMMARY_STATS
+
+    return {"axes": ["part", "metric", "stat", "layer", "head"], "parts": list(PARTS),
+            "metrics": list(SUMMARY_METRICS), "stats": list(SUMMARY_STATS)}
 
 
 async def _ensure_array(group, name: str, **kwargs):
@@ -456,16 +451,14 @@ async def _write_part(store, record: CaptureRecord, rows: bool, summary_stats: d
         jobs.append(_ensure_and_write(group, "token_ids", np.asarray(record.token_ids, dtype=np.int32)))
         written += record.token_ids.nbytes
     if summary_stats is not None:
-        from .metrics import PARTS, SUMMARY_METRICS, SUMMARY_STATS, summary_to_array
+        from .metrics import summary_to_array
 
         data = summary_to_array(summary_stats, len(pos), hp)
 
         async def summary_part():
             arr = await _ensure_array(group, "summary", shape=data.shape[:3] + (L, H), dtype="float32",
                                       chunks=data.shape[:3] + (lchunk, hp), fill_value=float("nan"),
-                                      attributes={"axes": ["part", "metric", "stat", "layer", "head"],
-                                                  "parts": list(PARTS), "metrics": list(SUMMARY_METRICS),
-                                                  "stats": list(SUMMARY_STATS)})
+                                      attributes=_summary_attributes())
             await region(arr, data, 3)
 
         jobs.append(summary_part())
