@@ -31,8 +31,8 @@ MEDIAN_TV = 0.02
 # lent machines, where NVLink multicast and symmetric memory are off (KINDS.md), with or without attn-otel
 # (cublasCreate fails after an illegal memory access at engine start).  CUDA graphs, chunked prefill, prefix
 # caching and vLLM's custom all-reduce stay on.
-LLM_KWARGS = json.loads(os.environ.get("ATTN_OTEL_GPU_LLM_KWARGS", "0") or "0") or {
-    "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
+LLM_KWARGS = json.loads(os.environ.get("ATTN_OTEL_GPU_LLM_KWARGS") or
+                        '{"compilation_config": {"pass_config": {"fuse_allreduce_rms": false}}}')
 
 ENGINE = textwrap.dedent("""
     import json, os, sys, time

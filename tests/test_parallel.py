@@ -212,7 +212,7 @@ def _requests(traces):
         if trace:
             extra["traceparent"] = f"00-{trace}-{new_span_id()}-01"
         out.append(FinishedRequest(f"req-{n}", list(range(Tn - 10)), list(range(9)), Tn,
-                                   [list(range(n * 0, 25))], [16], extra))
+                                   [list(range(25))], [16], extra))
     return out
 
 
