@@ -52,10 +52,11 @@ def attention_maps(q: torch.Tensor, k: torch.Tensor, scale: float, out: torch.Te
 
 def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int,
                       sink_tokens: int = 4, vision_mask: torch.Tensor | None = None,
-                      maps_out: torch.Tensor | None = None, rows: int = ROWS) -> torch.Tensor:
+                      maps_out: torch.Tensor | None = None, rows: int = ROWS, start: int = 0) -> torch.Tensor:
     """Per-row metrics float32 [len(METRICS), Hq, T] (NaN where undefined), never holding a full map.
 
-    With ``maps_out`` ([Hq, T, T]), the probabilities are also written there, band by band.
+    With ``maps_out`` ([Hq, T, T]), the probabilities are also written there, band by band.  With ``start``,
+    only rows ``start ..`` are computed (the earlier rows of ``q`` are not read; their results stay NaN).
     """
     T, hq, _ = q.shape
     dev = q.device
@@ -68,7 +69,7 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
     vis_count = torch.cumsum(vm, 0) if vm is not None else None
     N = int(prompt_len)
     kk = int(sink_tokens)
-    for r0 in range(0, T, rows):
+    for r0 in range(int(start), T, rows):
         r1 = min(T, r0 + rows)
         p = _probs(q, k, scale, r0, r1)  # [H, r, T]
         if maps_out is not None:

@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from .config import Config, RequestOptions
 from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent,
                   traceparent_sampled)
 from .store import CapturePart, CaptureRecord
+
+if TYPE_CHECKING:
+    from .stream import MetricsStream
 
 logger = logging.getLogger("attn_otel")
 
@@ -155,14 +158,16 @@ class RequestTracker:
         return len(self._reqs)
 
     def add(self, req_id: str, prompt_token_ids, extra_args, block_ids, num_computed: int, num_scheduled: int,
-            vision_positions=None) -> None:
-        self._reqs[req_id] = _Tracked(list(prompt_token_ids or []), extra_args, [list(b) for b in block_ids],
-                                      vision_positions, int(num_computed) + int(num_scheduled))
+            vision_positions=None) -> _Tracked:
+        t = self._reqs[req_id] = _Tracked(list(prompt_token_ids or []), extra_args, [list(b) for b in block_ids],
+                                          vision_positions, int(num_computed) + int(num_scheduled))
+        return t
 
-    def update(self, req_id: str, new_block_ids, num_computed: int, num_scheduled: int, resumed: bool) -> None:
+    def update(self, req_id: str, new_block_ids, num_computed: int, num_scheduled: int,
+               resumed: bool) -> _Tracked | None:
         t = self._reqs.get(req_id)
         if t is None:
-            return
+            return None
         if new_block_ids is not None:
             if resumed:
                 t.block_ids = [list(b) for b in new_block_ids]
@@ -170,6 +175,7 @@ class RequestTracker:
                 for group, extra in zip(t.block_ids, new_block_ids):
                     group.extend(extra)
         t.written = int(num_computed) + int(num_scheduled)
+        return t
 
     def finish(self, req_id: str) -> _Tracked | None:
         return self._reqs.pop(req_id, None)
@@ -257,6 +263,7 @@ class _Pending:
     nbytes: int  # host bytes reserved in the hand-off
     gathered: int  # device bytes held by qk
     t_finish: float = 0.0
+    streamed: torch.Tensor | None = None  # [streamed layers, T, 7, Hq] float16 (see attn_otel.stream)
 
 
 class Handoff:
@@ -335,11 +342,18 @@ class CaptureEngine:
 
     def __init__(self, config: Config, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype,
                  device, model: str = "", engine_version: str = "", attrs: dict[str, Any] | None = None,
-                 parallel: Parallel | None = None):
+                 parallel: Parallel | None = None, stream: "MetricsStream | None" = None,
+                 map_layers: Sequence[int] | None = None):
         self.config = config
         self.layers = list(layers)
         self.layer_ids = tuple(s.index for s in self.layers)
-        self.tap = QKTap(self.layers, num_slots, dtype, device)
+        # Streamed layers (attn_otel.stream) have no Q/K tap: their rows are computed while requests run.
+        self.stream = stream
+        self.streamed = frozenset(stream.pos) if stream is not None else frozenset()
+        tapped = [s for s in self.layers if s.index not in self.streamed]
+        self.tap = QKTap(tapped, num_slots, dtype, device)
+        # Layers a maps capture covers (the whole model's, under pipeline parallelism): the tapped ones.
+        self.map_layers = tuple(map_layers) if map_layers is not None else tuple(s.index for s in tapped)
         self.device = torch.device(device)
         self.model = model
         self.engine_version = engine_version
@@ -369,6 +383,19 @@ class CaptureEngine:
         self._dump_lock = threading.Lock()
         if config.stats_dir:
             threading.Thread(target=self._dump_loop, name="attn-otel-stats", daemon=True).start()
+
+    def device_bytes(self) -> int:
+        """Device memory this engine holds: the Q/K tap and the stream's ring, table and metrics buffer."""
+        return self.tap.nbytes() + (self.stream.nbytes() if self.stream is not None else 0)
+
+    def bytes_per_token(self) -> int:
+        """Device bytes per KV-cache token (the stream's fixed-size ring not included)."""
+        tapped = [s for s in self.layers if s.index not in self.streamed]
+        per = QKTap.bytes_per_token(tapped, self.tap.dtype) if tapped else 0
+        if self.stream is not None:
+            st = self.stream
+            per += st.bytes_per_token(st.layers, not st.k_tap, self.tap.dtype)
+        return per
 
     # ----------------------------------------------------------------- engine-loop side (no I/O here)
     def warn_once(self, key: str, msg: str, *args: Any, exc: bool = False) -> None:
@@ -426,8 +453,10 @@ class CaptureEngine:
         if not wanted:
             self.stats.add("skipped", reason="no_layers")
             return
-        layers = [s for s in self.layers if s.index in wanted]
-        if not layers:  # pipeline parallel: the request's layers are all on other stages
+        if self.stream is not None and self.stream.lost(req.request_id):
+            self.stats.add("dropped", reason="stream_lost")
+            self.warn_once("stream_lost", "a step had more tokens than ATTN_OTEL_STREAM_ROWS; the streamed layers "
+                           "of its requests were not computed, their captures are dropped and counted")
             return
         if par is not None and par.id_seed:
             trace_id, parent = derived_trace_id(par.id_seed, req.request_id), None
@@ -441,6 +470,19 @@ class CaptureEngine:
         if want_maps and T > self.config.max_map_tokens:
             self.stats.add("skipped", reason="map_too_long")
             want_maps = False
+        mapped = tuple(x for x in wanted if x in self.map_layers)
+        if want_maps and mapped != tuple(wanted):  # a maps capture covers the map layers (streamed ones keep no Q)
+            if mapped:
+                wanted = mapped
+            else:
+                self.stats.add("skipped", reason="no_map_layers")
+                self.warn_once("no_map_layers", "request %s asked for maps of layers %s, which are streamed "
+                               "(metrics only; ATTN_OTEL_MAP_LAYERS); capturing metrics", req.request_id,
+                               list(wanted))
+                want_maps = False
+        layers = [s for s in self.layers if s.index in wanted]
+        if not layers:  # pipeline parallel: the request's layers are all on other stages
+            return
         H = max(s.num_heads for s in layers)
         L = len(layers)
         nbytes = len(METRICS) * L * H * T * 4 + (L * H * T * T * 2 if want_maps else 0)
@@ -462,7 +504,8 @@ class CaptureEngine:
                 return None
             return {"layers": layers, "T": T, "nbytes": nbytes, "device": device, "trace_id": trace_id,
                     "parent": parent, "t0": t0, "wanted": wanted, "sampled": sampled}
-        gathered = sum(T * (s.num_heads + s.num_kv_heads) * s.head_dim for s in layers) * self.tap.itemsize
+        gathered = sum(T * (s.num_heads + s.num_kv_heads) * s.head_dim * self.tap.itemsize
+                       if s.index not in self.streamed else T * len(METRICS) * s.num_heads * 2 for s in layers)
         if not self._device_reserve(gathered):
             self.handoff.release(nbytes)
             self.stats.add("dropped", reason="device_queue_full")
@@ -519,10 +562,22 @@ class CaptureEngine:
         slots_dev = {g: up(np.concatenate(parts)) for g, parts in slots_host.items()}
         vision_dev = up(vision_host) if vision_any else None
         out = torch.full((len(layers), len(METRICS), H, total), float("nan"), dtype=torch.float32, device=dev)
+        streamed = []
         for li, spec in enumerate(layers):
+            if spec.index in self.streamed:
+                streamed.append(li)
+                continue
             triton_metrics.row_metrics_slots(
                 self.tap.q[spec.index], self.tap.k[spec.index], slots_dev[spec.group], cu_dev, prompt_dev,
                 max(Ts), spec.scale, self.config.sink_tokens, vision_dev, out=out[li, :, : spec.num_heads])
+        if streamed:  # computed while the requests ran: one gather by slot for every streamed layer
+            st = self.stream
+            got = st.gather(slots_dev[st.group])  # [streamed layers, total, 7, H]
+            order = [st.pos[layers[li].index] for li in streamed]
+            if order != list(range(len(order))):
+                got = got[order]
+            idx = torch.tensor(streamed, dtype=torch.long).to(dev, non_blocking=True)
+            out[:, :, : got.shape[3]].index_copy_(0, idx, got.permute(0, 2, 3, 1).float())
         host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(out, non_blocking=True)
         tok_host = {}
@@ -609,16 +664,22 @@ class CaptureEngine:
         cuda = self.device.type == "cuda"
         slots_by_group: dict[int, torch.Tensor] = {}
         qk = []
+        streamed = None
         for spec in layers:
             if spec.group not in slots_by_group:
                 slots_by_group[spec.group] = self._slots(req, spec.group, T)
-            qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
+            if spec.index in self.streamed:
+                qk.append(None)
+                if streamed is None:
+                    streamed = self.stream.gather(slots_by_group[spec.group])  # [streamed layers, T, 7, H]
+            else:
+                qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
         record, tokens_dev = self._record(req, layers, T, want_maps, trace_id, parent, wanted, sampled)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
             ready.record()
-        return _Pending(record, layers, qk, tokens_dev, ready, want_maps, nbytes, gathered)
+        return _Pending(record, layers, qk, tokens_dev, ready, want_maps, nbytes, gathered, streamed=streamed)
 
     def _compute_loop(self) -> None:
         while True:
@@ -636,6 +697,7 @@ class CaptureEngine:
                                "(logged once per error type)", pending.record.request_id, exc=True)
             finally:
                 pending.qk = []
+                pending.streamed = None
                 self._device_release(pending.gathered)
 
     def _compute(self, p: "_Pending") -> _Job:
@@ -652,12 +714,17 @@ class CaptureEngine:
                 self._stream.wait_event(p.ready)  # the gathers on the engine's stream are done
                 # They were allocated on the engine's stream: keep the allocator from handing their memory
                 # back to it before this stream's kernels have read them.
-                for t in (*(x for pair in p.qk for x in pair), p.tokens_dev):
+                for t in (*(x for pair in p.qk if pair is not None for x in pair), p.tokens_dev, p.streamed):
                     if t is not None:
                         t.record_stream(self._stream)
             vision = torch.from_numpy(rec.vision_mask).to(self.device) if rec.vision_mask is not None else None
             fused = cuda and not p.want_maps and triton_metrics.available(self.device)
-            for li, (spec, (q, k)) in enumerate(zip(layers, p.qk)):
+            for li, (spec, qk) in enumerate(zip(layers, p.qk)):
+                if qk is None:  # streamed: computed while the request ran
+                    got = p.streamed[self.stream.pos[spec.index]]  # [T, 7, H]
+                    per_row_host[:, li, : spec.num_heads].copy_(got.permute(1, 2, 0), non_blocking=cuda)
+                    continue
+                q, k = qk
                 if fused:  # one launch per layer instead of a band loop (see docs/benchmarks/overhead.md)
                     res = triton_metrics.row_metrics(q[None], k[None], spec.scale, rec.prompt_len,
                                                      self.config.sink_tokens, vision)
@@ -871,8 +938,12 @@ class CaptureEngine:
             path = os.path.join(self.config.stats_dir, f"attn-otel-stats-{os.getpid()}.json")
             snap = self.stats.snapshot(percentiles=True)
             snap.update(queue_pending_bytes=self.handoff.pending_bytes, device_queue_pending_bytes=self._device_bytes,
-                        tap_bytes=self.tap.nbytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
-                        tap_bytes_per_token=QKTap.bytes_per_token(self.layers, self.tap.dtype))
+                        tap_bytes=self.device_bytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
+                        tap_bytes_per_token=self.bytes_per_token())
+            st = self.stream
+            if st is not None:
+                snap.update(streamed_layers=sorted(self.streamed), stream_rows=st.rows, stream_flushes=st.flushes,
+                            stream_flushed_rows=st.flushed_rows, stream_pending_rows=st.pending())
             with open(path + ".tmp", "w") as f:
                 json.dump(snap, f)
             os.replace(path + ".tmp", path)

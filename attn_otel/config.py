@@ -26,6 +26,22 @@ ATTN_OTEL_LAYERS = "ATTN_OTEL_LAYERS"
 Each captured layer costs ``(num_q_heads + num_kv_heads) * head_dim * dtype_bytes`` per KV-cache token,
 taken from the KV cache budget (the KV cache shrinks so that the total stays what vLLM was given)."""
 
+ATTN_OTEL_MAP_LAYERS = "ATTN_OTEL_MAP_LAYERS"
+"""Which of the captured layers can have maps: ``auto`` (the default), ``all`` or a list such as ``0,16``.
+
+A map layer keeps its queries and keys for the request's whole life (the Q/K tap, ``(num_q_heads +
+num_kv_heads) * head_dim * dtype_bytes`` per KV-cache token) so that its full maps can be computed when the
+request finishes.  Every other captured layer is *streamed*: its per-row metrics are computed while the
+request runs and its queries dropped (``7 * num_q_heads * 2`` bytes per token, keys read from vLLM's own
+cache).  ``auto`` makes every captured layer a map layer when at most :data:`AUTO_LAYERS` are captured, and
+otherwise :data:`AUTO_LAYERS` of them, evenly spaced.  A maps capture covers the map layers."""
+
+ATTN_OTEL_STREAM_ROWS = "ATTN_OTEL_STREAM_ROWS"
+"""Rows of the streamed layers' query ring (see ``ATTN_OTEL_MAP_LAYERS``): queries wait there until their
+metrics are computed, in batches, when the ring fills or their request finishes.  ``0`` (default): 8192.
+Never fewer than vLLM's ``max_num_batched_tokens``, so that one step's tokens always fit.  Costs ``rows * num_q_heads * head_dim *
+dtype_bytes`` per streamed layer, taken from the KV cache budget."""
+
 ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
 """Fraction in [0, 1] of traces whose full maps are stored (decided per trace id, so every request of a
 trace agrees).  Metrics are computed for every captured request.  Default 0.01."""
@@ -144,11 +160,24 @@ def resolve_layers(selection: str | tuple[int, ...], num_layers: int) -> tuple[i
     return tuple(i for i in selection if i < num_layers)
 
 
+def resolve_map_layers(selection: str | tuple[int, ...], captured: Sequence[int]) -> tuple[int, ...]:
+    """The map layers among the ``captured`` ones (see :data:`ATTN_OTEL_MAP_LAYERS`)."""
+    captured = tuple(sorted(captured))
+    if selection == "all" or (selection == "auto" and len(captured) <= AUTO_LAYERS):
+        return captured
+    if selection == "auto":
+        n = AUTO_LAYERS
+        return tuple(sorted({captured[round(i * (len(captured) - 1) / (n - 1))] for i in range(n)}))
+    return tuple(i for i in selection if i in captured)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     enabled: bool = False
     store: str = "./attn-otel-data"
     layers: str | tuple[int, ...] = "auto"
+    map_layers: str | tuple[int, ...] = "auto"
+    stream_rows: int = 0
     maps_sample: float = 0.01
     max_map_tokens: int = 8192
     queue_bytes: int = 1 << 30
@@ -174,6 +203,13 @@ class Config:
                 values["layers"] = parse_layers(raw)
             except ValueError as e:
                 _warn(ATTN_OTEL_LAYERS, raw, str(e), d.layers)
+        raw = env.get(ATTN_OTEL_MAP_LAYERS)
+        if raw is not None:
+            try:
+                values["map_layers"] = parse_layers(raw)
+            except ValueError as e:
+                _warn(ATTN_OTEL_MAP_LAYERS, raw, str(e), d.map_layers)
+        values["stream_rows"] = _number(env, ATTN_OTEL_STREAM_ROWS, d.stream_rows, int, 0, 1 << 24)
         values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
         values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)
         values["queue_bytes"] = _number(env, ATTN_OTEL_QUEUE_BYTES, d.queue_bytes, int, 1, None)

@@ -269,6 +269,59 @@ def _model_dtype(runner):
     return runner.vllm_config.model_config.dtype
 
 
+def _key_cache_view(layer, spec, dtype):
+    """``[blocks, block_size, Hkv, D]`` view of a layer's keys in vLLM's KV cache, or None where the
+    layout is not one this knows (only FLASH_ATTN with an unquantised cache qualifies)."""
+    import torch
+
+    kv = getattr(layer, "kv_cache", None)
+    if isinstance(kv, (list, tuple)):
+        kv = kv[0] if kv else None
+    if not isinstance(kv, torch.Tensor) or kv.dtype != dtype:
+        return None
+    D, hkv = spec.head_dim, spec.num_kv_heads
+    if kv.dim() == 4 and kv.shape[1] == hkv and kv.shape[3] == 2 * D:  # vLLM 0.26: (blocks, Hkv, bs, K|V)
+        return kv.transpose(1, 2)[..., :D]
+    if kv.dim() == 5 and kv.shape[0] == 2 and kv.shape[3] == hkv and kv.shape[4] == D:  # (K|V, blocks, bs, Hkv, D)
+        return kv[0]
+    return None
+
+
+def _keys_from_cache(layers: list) -> bool:
+    """Whether streamed layers can read their keys from vLLM's cache (else they keep a K-only tap)."""
+    for layer in layers:
+        impl = layer.impl
+        if type(impl).__name__ != "FlashAttentionImpl":
+            return False
+        if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
+            return False
+    return True
+
+
+def _plan(runner, config, specs, layers, par=None):
+    """Split the captured layers into map layers (Q/K tap) and streamed ones (attn_otel.stream): returns
+    (map layers of the whole model, streamed specs, keys from vLLM's cache?, ring rows)."""
+    from .config import resolve_map_layers
+    from .stream import DEFAULT_ROWS
+
+    captured = par.capture_layers if par is not None else tuple(s.index for s in specs)
+    maps = resolve_map_layers(config.map_layers, captured)
+    streamed = [s for s in specs if s.index not in maps]
+    if streamed:
+        first = streamed[0]
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.group)
+        odd = [s for s in streamed if (s.num_heads, s.num_kv_heads, s.head_dim, s.group) != shape]
+        if odd:
+            logger.warning("attn-otel: layers %s differ in shape or KV-cache group from layer %d; they keep the "
+                           "Q/K tap", [s.index for s in odd], first.index)
+            streamed = [s for s in streamed if s not in odd]
+    from_cache = bool(streamed) and runner.device.type == "cuda" and _keys_from_cache(
+        [layers[s.name] for s in streamed])
+    step = int(runner.vllm_config.scheduler_config.max_num_batched_tokens)
+    rows = max(config.stream_rows or DEFAULT_ROWS, step)  # one step's tokens always fit the ring
+    return maps, streamed, from_cache, rows
+
+
 # --------------------------------------------------------------------------------- hooks
 def _scale_available_memory(orig, worker, *args, **kwargs):
     """Give the tap its share of the KV budget: KV tokens shrink by kv/(kv + tap) per token."""
@@ -277,17 +330,29 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
         from .capture import QKTap
         from .config import Config
 
+        from .stream import MetricsStream
+
         runner = worker.model_runner
-        specs, _ = _layer_specs(runner, Config.from_env())
+        config = Config.from_env()
+        specs, layers = _layer_specs(runner, config)
         if not specs:
             return available
         kv_per_token = 0
         for spec in runner.get_kv_cache_spec().values():
             kv_per_token += spec.page_size_bytes / spec.block_size
-        tap = QKTap.bytes_per_token(specs, _model_dtype(runner))
-        scaled = int(available * kv_per_token / (kv_per_token + tap))
-        logger.info("attn-otel: Q/K tap takes %d B per token beside %d B of KV cache; KV budget %.2f -> %.2f GiB",
-                    tap, int(kv_per_token), available / 2**30, scaled / 2**30)
+        dtype = _model_dtype(runner)
+        _, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs))
+        tapped = [s for s in specs if s not in streamed]
+        tap = QKTap.bytes_per_token(tapped, dtype)
+        ring = 0
+        if streamed:
+            tap += MetricsStream.bytes_per_token(streamed, from_cache, dtype)
+            ring = MetricsStream.ring_bytes(streamed, rows, dtype)
+        scaled = int(max(0, available - ring) * kv_per_token / (kv_per_token + tap))
+        logger.info("attn-otel: capture takes %d B per token beside %d B of KV cache (%d map layers, %d streamed "
+                    "with a %d-row query ring of %.2f GiB); KV budget %.2f -> %.2f GiB", tap, int(kv_per_token),
+                    len(tapped), len(streamed), rows if streamed else 0, ring / 2**30, available / 2**30,
+                    scaled / 2**30)
         return scaled
     except Exception:  # noqa: BLE001
         logger.exception("attn-otel: could not size the tap; leaving the KV budget unchanged")
@@ -328,9 +393,30 @@ def _install(runner, kv_cache_config) -> None:
     if isinstance(model, (list, tuple)):
         model = model[0]
     backend = type(layers[specs[0].name].impl).__name__
-    engine = CaptureEngine(config, specs, num_slots, _model_dtype(runner), runner.device,
+    par = _parallel(runner, config, specs)
+    dtype = _model_dtype(runner)
+    maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, par)
+    stream = None
+    if streamed:
+        from .stream import MetricsStream
+
+        keys = {}
+        if from_cache:
+            for s in streamed:
+                view = _key_cache_view(layers[s.name], s, dtype)
+                if view is None:
+                    logger.warning("attn-otel: the KV cache of %s has a layout this does not know; its keys are "
+                                   "tapped", s.name)
+                else:
+                    keys[s.index] = view
+        stream = MetricsStream(streamed, num_slots, rows, dtype, runner.device, block_sizes[streamed[0].group],
+                               config.sink_tokens, keys)
+        logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
+                    "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
+                    stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
+    engine = CaptureEngine(config, specs, num_slots, dtype, runner.device,
                            model=str(model), engine_version=f"vllm {vllm.__version__}",
-                           attrs={"attention_impl": backend}, parallel=_parallel(runner, config, specs))
+                           attrs={"attention_impl": backend}, parallel=par, stream=stream, map_layers=maps)
     engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()
     runner._attn_otel = engine
@@ -349,6 +435,8 @@ def _tap_layer(engine, spec, layer) -> None:
     if getattr(orig, "_attn_otel", False):
         return
     tap, index, name = engine.tap, spec.index, spec.name
+    if spec.index in engine.streamed:
+        tap = engine.stream
     q_scale = getattr(layer, "_q_scale", None)
 
     def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
@@ -412,6 +500,12 @@ def _track(runner, engine, so) -> None:
     from .capture import FinishedRequest
 
     tracker = engine.tracker
+    stream = engine.stream
+    if stream is not None:
+        # Before this step's forward can reuse their blocks: rows of preempted and finished requests (and of
+        # any request sharing their prefix) are computed now, while their keys are still in the cache.
+        stream.preempt(getattr(so, "preempted_req_ids", None) or ())
+        stream.finish(so.finished_req_ids)
     finished = []
     for req_id in so.finished_req_ids:
         if req_id.startswith("_") and "warmup" in req_id:  # vLLM's own start-up warm-up batches
@@ -427,14 +521,22 @@ def _track(runner, engine, so) -> None:
             extra_args=t.extra_args, vision_positions=t.vision_positions, token_ids_device=device_ids))
     if finished:
         engine.on_finished_many(finished)
+    if stream is not None:
+        stream.forget(so.finished_req_ids)
     scheduled = so.num_scheduled_tokens
+    items = []
     for new in so.scheduled_new_reqs:
         sp = new.sampling_params
-        tracker.add(new.req_id, new.prompt_token_ids, getattr(sp, "extra_args", None) if sp else None,
-                    new.block_ids, new.num_computed_tokens, scheduled.get(new.req_id, 0),
-                    _vision_positions(new))
+        n = scheduled.get(new.req_id, 0)
+        t = tracker.add(new.req_id, new.prompt_token_ids, getattr(sp, "extra_args", None) if sp else None,
+                        new.block_ids, new.num_computed_tokens, n, _vision_positions(new))
+        items.append((new.req_id, t, int(new.num_computed_tokens), n))
     cached = so.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", None) or set()
     for i, req_id in enumerate(cached.req_ids):
-        tracker.update(req_id, cached.new_block_ids[i], cached.num_computed_tokens[i], scheduled.get(req_id, 0),
-                       req_id in resumed)
+        n = scheduled.get(req_id, 0)
+        t = tracker.update(req_id, cached.new_block_ids[i], cached.num_computed_tokens[i], n, req_id in resumed)
+        if t is not None:
+            items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
+    if stream is not None:
+        stream.schedule(items)

@@ -378,8 +378,8 @@ class AttnOtelCollector:
         return families
 
 
-DROP_REASONS = ("queue_full", "device_queue_full", "capture_error", "store_error", "shutdown")
-SKIP_REASONS = ("request_off", "no_tokens", "no_layers", "map_too_long", "maps_queue_full")
+DROP_REASONS = ("queue_full", "device_queue_full", "capture_error", "store_error", "shutdown", "stream_lost")
+SKIP_REASONS = ("request_off", "no_tokens", "no_layers", "map_too_long", "maps_queue_full", "no_map_layers")
 EXPORTERS = ("otel", "prometheus")  # the exporters after the store whose failures are counted
 
 

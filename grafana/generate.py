@@ -291,7 +291,7 @@ def pipeline_dashboard() -> dict[str, Any]:
                f'or on() label_replace(vector(0), "reason", "none", "", "")', "{{reason}}", "A"),
     ], 8, y, 8, 8, unit="reqps", stack=True,
         description="attn_otel_captures_dropped_total by reason (queue_full, device_queue_full, capture_error, "
-                    "store_error, shutdown): the engine never waits, so a full hand-off drops. A flat 'none' "
+                    "store_error, shutdown, stream_lost): the engine never waits, so a full hand-off drops. A flat 'none' "
                     "series means no drop at all yet."))
     p.append(timeseries("Skips by reason (not captured by design)", [
         target(f"sum by (reason) (rate(attn_otel_skips_total{{{SEL}}}[{RATE}]))\n"
@@ -300,7 +300,7 @@ def pipeline_dashboard() -> dict[str, Any]:
                f'or on() label_replace(vector(0), "exporter", "none", "", "")', "export errors: {{exporter}}", "B"),
     ], 16, y, 8, 8, unit="reqps", stack=False,
         description="attn_otel_skips_total by reason (request_off, no_tokens, no_layers, map_too_long, "
-                    "maps_queue_full) and export errors by exporter."))
+                    "maps_queue_full, no_map_layers) and export errors by exporter."))
     y += 8
     p.append(timeseries("Captured share of finished requests", [
         target(f"sum(rate(attn_otel_captures_total{{{SEL}}}[{RATE}]))\n"

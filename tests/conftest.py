@@ -49,6 +49,7 @@ def engine(tmp_path_factory, smollm2_path):
         "ATTN_OTEL": "1",
         "ATTN_OTEL_STORE": str(store),
         "ATTN_OTEL_LAYERS": "all",
+        "ATTN_OTEL_MAP_LAYERS": "all",  # maps of every layer (tests/test_engine_stream.py streams them)
         "ATTN_OTEL_MAPS_SAMPLE": "0",
         "ATTN_OTEL_ROW_METRICS": "all",  # the tests compare every capture's rows with NumPy
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

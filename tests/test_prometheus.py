@@ -232,19 +232,21 @@ def test_engine_counters_and_gauges(tmp_path):
         "# TYPE attn_otel_maps_stored_total counter\n"
         "attn_otel_maps_stored_total 4.0\n"
         "# HELP attn_otel_captures_dropped_total Captures lost, by reason (queue_full, device_queue_full, "
-        "capture_error, store_error, shutdown).\n"
+        "capture_error, store_error, shutdown, stream_lost).\n"
         "# TYPE attn_otel_captures_dropped_total counter\n"
         'attn_otel_captures_dropped_total{reason="capture_error"} 0.0\n'
         'attn_otel_captures_dropped_total{reason="device_queue_full"} 0.0\n'
         'attn_otel_captures_dropped_total{reason="queue_full"} 2.0\n'
         'attn_otel_captures_dropped_total{reason="shutdown"} 0.0\n'
         'attn_otel_captures_dropped_total{reason="store_error"} 0.0\n'
+        'attn_otel_captures_dropped_total{reason="stream_lost"} 0.0\n'
         "# HELP attn_otel_skips_total Requests or maps not captured by design, by reason (request_off, no_tokens, "
-        "no_layers, map_too_long, maps_queue_full).\n"
+        "no_layers, map_too_long, maps_queue_full, no_map_layers).\n"
         "# TYPE attn_otel_skips_total counter\n"
         'attn_otel_skips_total{reason="map_too_long"} 4.0\n'
         'attn_otel_skips_total{reason="maps_queue_full"} 0.0\n'
         'attn_otel_skips_total{reason="no_layers"} 0.0\n'
+        'attn_otel_skips_total{reason="no_map_layers"} 0.0\n'
         'attn_otel_skips_total{reason="no_tokens"} 0.0\n'
         'attn_otel_skips_total{reason="request_off"} 0.0\n'
         "# HELP attn_otel_export_errors_total Exporter failures other than the store's, by exporter.\n"

@@ -1,0 +1,319 @@
+"""Per-row metrics of the *streamed* layers, computed while requests run, so their queries need not stay.
+
+The Q/K tap (:class:`attn_otel.capture.QKTap`) keeps every KV-cache token's query for the request's whole
+life: on all 32 layers of an 8B model that is 2.5 times the KV cache's own bytes per token, and vLLM's KV
+cache shrinks to 0.29x (docs/benchmarks/overhead.md).  A streamed layer instead keeps:
+
+* a **query ring** ``[R, Hq, D]``: the model's own queries, written in the forward (in-graph, like the tap)
+  at ring rows the host assigned to this step's tokens, through a slot -> ring-row table on the device;
+* a **per-slot metrics buffer** ``[slots, 7, Hq]`` (float16, 448 B per token at 32 heads): every KV-cache
+  token's seven per-row metrics once computed;
+* nothing for K: the keys are read from vLLM's own paged KV cache (a view of FLASH_ATTN's cache), or, where
+  that layout is not known (the CPU backend, a quantised cache), from a K-only tap.
+
+A **flush** computes pending rows, each against its request's keys in the cache, with the finish-time
+kernel (:func:`attn_otel.triton_metrics.row_metrics_stream`), and frees their ring rows.  It runs on the
+engine's stream before a forward, so the keys it reads are still the request's:
+
+* when this step's tokens do not fit the free ring rows: every pending row (about ``R / running requests``
+  decode steps of rows per request at a time, so each K load serves that many rows);
+* when requests finish or are preempted, before their blocks can be reused: their rows, and the pending rows
+  of any request whose blocks they share through the prefix cache (a cached prefix's rows were computed by
+  the request that computed its blocks, and are the same rows: they depend on the prefix only).
+
+At finish a request's per-row metrics of the streamed layers are a gather from the per-slot buffer by its
+slots.  Maps need every query at finish, so map layers keep the tap (see ``ATTN_OTEL_MAP_LAYERS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from . import triton_metrics
+from .attention import METRICS, attention_metrics
+
+logger = logging.getLogger("attn_otel")
+
+DEFAULT_ROWS = 8192
+
+
+@dataclasses.dataclass
+class _Live:
+    """A request whose rows have gone through the model while streaming, and its pending rows."""
+
+    idx: int  # owner id in the host slot -> owner table
+    tracked: Any  # the tracker's record: ``block_ids`` (per KV-cache group), ``prompt_token_ids``, ``vision_positions``
+    first: int = 0  # position of the first pending row
+    count: int = 0  # pending rows (positions first .. first + count - 1)
+    rows: list = dataclasses.field(default_factory=list)  # their ring rows, one array per step
+    slots: list = dataclasses.field(default_factory=list)  # and their KV slots
+    lost: bool = False  # some row could not be given a ring row: its capture is dropped
+
+
+def slots_of(block_ids: Sequence[int], block_size: int, start: int, n: int) -> np.ndarray:
+    """KV-cache slots of positions ``start .. start + n - 1`` of a request with these blocks."""
+    if n == 1:
+        return np.asarray([block_ids[start // block_size] * block_size + start % block_size], dtype=np.int64)
+    pos = np.arange(start, start + n, dtype=np.int64)
+    return np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+
+
+class MetricsStream:
+    """Query ring, slot table and per-slot metrics buffer of the streamed layers (all in one KV-cache group,
+    of one shape).  Host methods run on the engine loop; the device work they enqueue is stream-ordered with
+    the forwards."""
+
+    def __init__(self, layers: Sequence[Any], num_slots: int, rows: int, dtype: torch.dtype, device,
+                 block_size: int, sink_tokens: int = 4, key_caches: dict[int, torch.Tensor] | None = None):
+        if not layers:
+            raise ValueError("a stream needs at least one layer")
+        shapes = {(s.num_heads, s.num_kv_heads, s.head_dim, s.group) for s in layers}
+        if len(shapes) != 1:
+            raise ValueError(f"streamed layers must share heads, head_dim and KV-cache group, got {shapes}")
+        self.layers = list(layers)
+        self.pos = {s.index: i for i, s in enumerate(self.layers)}
+        H, Hkv, D, self.group = next(iter(shapes))
+        L, S, R = len(self.layers), int(num_slots), int(rows)
+        self.num_slots, self.rows, self.block_size = S, R, int(block_size)
+        self.sink_tokens = int(sink_tokens)
+        self.device = torch.device(device)
+        self.q = torch.zeros((L, R + 1, H, D), dtype=dtype, device=device)  # row R absorbs padded tokens
+        self.metrics = torch.full((L, S + 1, len(METRICS), H), float("nan"), dtype=torch.float16, device=device)
+        self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)  # slot S: padding
+        key_caches = key_caches or {}
+        # Keys: a [blocks, block_size, Hkv, D] view of vLLM's cache per layer, else a K-only tap.
+        self.keys: dict[int, torch.Tensor] = {}
+        self.k_tap: dict[int, torch.Tensor] = {}
+        for s in self.layers:
+            kc = key_caches.get(s.index)
+            if kc is not None:
+                self.keys[s.index] = kc
+            else:
+                tap = torch.zeros((S + 1, Hkv, D), dtype=dtype, device=device)
+                self.k_tap[s.index] = tap
+                self.keys[s.index] = tap[:, None]
+        self._key_block = {i: int(k.shape[1]) for i, k in self.keys.items()}
+        self._fused = triton_metrics.available(self.device)
+        # host side
+        self._free = np.arange(R - 1, -1, -1, dtype=np.int64)  # a stack of free ring rows
+        self._nfree = R
+        self._owner = np.full(S, -1, dtype=np.int64)  # slot -> owner id of its pending row
+        self._live: dict[str, _Live] = {}
+        self._by_idx: dict[int, str] = {}
+        self._next = 0
+        self.flushes = 0
+        self.flushed_rows = 0
+
+    # ------------------------------------------------------------------ sizes
+    @staticmethod
+    def bytes_per_token(layers: Sequence[Any], keys_from_cache: bool, dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        per = sum(len(METRICS) * s.num_heads * 2 for s in layers) + 8
+        if not keys_from_cache:
+            per += sum(s.num_kv_heads * s.head_dim * size for s in layers)
+        return per
+
+    @staticmethod
+    def ring_bytes(layers: Sequence[Any], rows: int, dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum((rows + 1) * s.num_heads * s.head_dim * size for s in layers)
+
+    def nbytes(self) -> int:
+        ts = [self.q, self.metrics, self.ring_of_slot, *self.k_tap.values()]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def pending(self) -> int:
+        return self.rows - self._nfree
+
+    # ------------------------------------------------------------------ in the forward (graph-safe)
+    def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.to(torch.long)
+        slots = torch.where(slots < 0, self.num_slots, slots)
+        qr = self.q[self.pos[layer]]
+        qr.index_copy_(0, self.ring_of_slot.index_select(0, slots),
+                       query[:n].reshape(n, qr.shape[1], qr.shape[2]).to(qr.dtype))
+        tap = self.k_tap.get(layer)
+        if tap is not None:
+            tap.index_copy_(0, slots, key[:n].reshape(n, tap.shape[1], tap.shape[2]).to(tap.dtype))
+
+    # ------------------------------------------------------------------ engine loop, before a forward
+    def schedule(self, items: Iterable[tuple[str, Any, int, int]]) -> None:
+        """This step's tokens: ``(request id, tracked record, first position, count)`` per request.  Gives
+        them ring rows (flushing everything pending first when they do not fit) and uploads their slots'
+        ring rows, so the forward writes each query to its row."""
+        items = [it for it in items if it[3] > 0]
+        if not items:
+            return
+        total = sum(n for _, _, _, n in items)
+        if total > self._nfree:
+            self.flush(list(self._live.values()))
+        stale = [self._live[r] for r, _, start, _ in items
+                 if r in self._live and self._live[r].count and self._live[r].first + self._live[r].count != start]
+        if stale:  # positions went back (e.g. speculative tokens rejected): compute what is pending first
+            self.flush(stale)
+        all_slots, all_rows, owners = [], [], []
+        for req_id, tracked, start, n in items:
+            live = self._live.get(req_id)
+            if live is None:
+                live = self._live[req_id] = _Live(self._next, tracked)
+                self._by_idx[self._next] = req_id
+                self._next += 1
+            live.tracked = tracked
+            slots = slots_of(tracked.block_ids[self.group], self.block_size, start, n)
+            if n > self._nfree:  # a step larger than the ring (ATTN_OTEL_STREAM_ROWS < max_num_batched_tokens)
+                live.lost = True
+                continue
+            rows = self._free[self._nfree - n:self._nfree].copy()
+            self._nfree -= n
+            if not live.count:
+                live.first = start
+            live.count += n
+            live.rows.append(rows)
+            live.slots.append(slots)
+            all_slots.append(slots)
+            all_rows.append(rows)
+            owners.append(np.full(n, live.idx, dtype=np.int64))
+        if not all_slots:
+            return
+        slots = np.concatenate(all_slots)
+        self._owner[slots] = np.concatenate(owners)
+        pair = self._up(np.stack([slots, np.concatenate(all_rows)]))
+        self.ring_of_slot.index_copy_(0, pair[0], pair[1])
+
+    def finish(self, req_ids: Iterable[str]) -> None:
+        """Before finished requests' blocks can be reused: compute their pending rows and those of any live
+        request that owns a pending row in their slots (a shared prefix)."""
+        todo: dict[int, _Live] = {}
+        for r in req_ids:
+            live = self._live.get(r)
+            if live is None:
+                continue
+            todo[live.idx] = live
+            t = live.tracked
+            n = int(getattr(t, "written", 0))
+            if n > 0 and t.block_ids and len(t.block_ids) > self.group:
+                blocks = t.block_ids[self.group]
+                n = min(n, len(blocks) * self.block_size)
+                owners = np.unique(self._owner[slots_of(blocks, self.block_size, 0, n)])
+                for o in owners[owners >= 0].tolist():
+                    other = self._by_idx.get(int(o))
+                    if other is not None:
+                        todo[int(o)] = self._live[other]
+        self.flush(list(todo.values()))
+
+    def preempt(self, req_ids: Iterable[str]) -> None:
+        """Preempted requests' blocks are freed this step: compute their pending rows now."""
+        self.flush([self._live[r] for r in req_ids if r in self._live])
+
+    def lost(self, req_id: str) -> bool:
+        live = self._live.get(req_id)
+        return bool(live is not None and live.lost)
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        """Finished requests (after :meth:`finish` and their captures were gathered)."""
+        for r in req_ids:
+            live = self._live.pop(r, None)
+            if live is not None:
+                self._by_idx.pop(live.idx, None)
+
+    def flush(self, lives: Sequence[_Live]) -> None:
+        lives = [lv for lv in lives if lv.count]
+        if not lives:
+            return
+        bs, g = self.block_size, self.group
+        firsts, counts, q_rows, key_slots, prompt, row_slots = [], [], [], [], [], []
+        vision_any = False
+        vm_parts, vc_parts = [], []
+        for lv in lives:
+            t = lv.tracked
+            end = lv.first + lv.count
+            firsts.append(lv.first)
+            counts.append(lv.count)
+            q_rows.append(np.concatenate(lv.rows))
+            rs = np.concatenate(lv.slots)
+            row_slots.append(rs)
+            ks = slots_of(t.block_ids[g], bs, 0, end)
+            ks[lv.first:end] = rs  # the rows' own slots (the same, unless blocks changed under them)
+            key_slots.append(ks)
+            prompt.append(min(len(t.prompt_token_ids or ()), end))
+            vp = getattr(t, "vision_positions", None)
+            vm = np.zeros(end, dtype=np.float32)
+            if vp is not None:
+                k = min(end, len(vp))
+                vm[:k] = np.asarray(vp[:k], dtype=np.float32)
+                vision_any = vision_any or bool(vm.any())
+            vm_parts.append(vm)
+            vc_parts.append(np.cumsum(vm)[lv.first:end])
+        rows_np = np.concatenate(q_rows)
+        slots_np = np.concatenate(row_slots)
+        if self._fused:
+            self._flush_fused(firsts, counts, rows_np, key_slots, prompt, vm_parts if vision_any else None,
+                              vc_parts if vision_any else None)
+        else:
+            self._flush_torch(lives, firsts, counts, key_slots, prompt, vm_parts if vision_any else None)
+        # the rows are computed (stream order): free them; their slots point at the padding row again
+        slots_dev = self._up(slots_np)
+        self.ring_of_slot.index_fill_(0, slots_dev, self.rows)
+        self._owner[slots_np] = -1
+        n = rows_np.shape[0]
+        self._free[self._nfree:self._nfree + n] = rows_np
+        self._nfree += n
+        for lv in lives:
+            lv.rows, lv.slots, lv.count = [], [], 0
+        self.flushes += 1
+        self.flushed_rows += n
+
+    def _up(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _flush_fused(self, firsts, counts, rows_np, key_slots, prompt, vm_parts, vc_parts) -> None:
+        cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)
+        cu_rows[1:] = np.cumsum(counts)
+        cu_keys = np.zeros(len(counts) + 1, dtype=np.int32)
+        cu_keys[1:] = np.cumsum([len(k) for k in key_slots])
+        up = self._up
+        rows_d, cu_rows_d, first_d = up(rows_np), up(cu_rows), up(np.asarray(firsts, dtype=np.int32))
+        keys_d, cu_keys_d = up(np.concatenate(key_slots)), up(cu_keys)
+        prompt_d = up(np.asarray(prompt, dtype=np.int32))
+        vm_d = up(np.concatenate(vm_parts)) if vm_parts is not None else None
+        vc_d = up(np.concatenate(vc_parts).astype(np.float32)) if vc_parts is not None else None
+        for spec in self.layers:
+            li = self.pos[spec.index]
+            triton_metrics.row_metrics_stream(
+                self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
+                max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
+
+    def _flush_torch(self, lives, firsts, counts, key_slots, prompt, vm_parts) -> None:
+        """The same rows through the torch reference (CPU builds): a query tensor of the request's length with
+        only the pending rows filled, metrics from the first pending row on."""
+        for b, lv in enumerate(lives):
+            a, n = firsts[b], counts[b]
+            end = a + n
+            ks = torch.from_numpy(key_slots[b]).to(self.device)
+            rows = torch.from_numpy(np.concatenate(lv.rows)).to(self.device)
+            vm = None
+            if vm_parts is not None and vm_parts[b].any():
+                vm = torch.from_numpy(vm_parts[b]).to(self.device)
+            out_slots = ks[a:end]
+            for spec in self.layers:
+                li = self.pos[spec.index]
+                kc = self.keys[spec.index]
+                k = kc[ks // kc.shape[1], ks % kc.shape[1]]
+                q = torch.zeros((end,) + tuple(self.q.shape[2:]), dtype=self.q.dtype, device=self.device)
+                q[a:end] = self.q[li].index_select(0, rows)
+                res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a)
+                self.metrics[li].index_copy_(0, out_slots, res[:, :, a:end].permute(2, 0, 1).to(torch.float16))
+
+    # ------------------------------------------------------------------ at finish
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per-row metrics of every streamed layer at these slots: ``[layers, len(slots), 7, Hq]`` float16."""
+        return self.metrics.index_select(1, slots)

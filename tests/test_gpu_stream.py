@@ -1,0 +1,110 @@
+"""Streamed layers on an NVIDIA GPU with the CUDA vLLM in its default serving config (FLASH_ATTN,
+FULL_AND_PIECEWISE CUDA graphs, chunked prefill, prefix caching): layer 0 is the map layer (Q/K tap), layers
+1-3 are streamed, their keys read from vLLM's own KV cache, their queries through a 256-row ring written
+inside the CUDA graphs.  Per-row metrics of every layer equal NumPy's on HF eager fp32 attention, through
+chunked prefill, a prefix-cache hit and preemptions (a 96-block KV cache for 16 concurrent requests).
+
+Run on the lent GPU machine: ``python3 -m pytest -m gpu tests/test_gpu_stream.py -s`` (one engine per
+process: run it in a pytest process of its own).
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from test_gpu import HEADS, LAYERS, gpu_model  # noqa: F401 - the module's model fixture
+
+from attn_otel.ids import new_span_id, new_trace_id
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def stream_engine(gpu_model, tmp_path_factory):  # noqa: F811
+    store = tmp_path_factory.mktemp("store")
+    os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
+                       "ATTN_OTEL_MAP_LAYERS": "0", "ATTN_OTEL_STREAM_ROWS": "256", "ATTN_OTEL_MAPS_SAMPLE": "0",
+                       "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    from vllm import LLM
+    from vllm.v1.core.sched import scheduler as sched
+
+    preempted = []
+    orig = sched.Scheduler._preempt_request
+
+    def counting(self, request, *a, **k):
+        preempted.append(request.request_id)
+        return orig(self, request, *a, **k)
+
+    sched.Scheduler._preempt_request = counting
+    llm = LLM(model=gpu_model, skip_tokenizer_init=True, max_model_len=1024, max_num_batched_tokens=256,
+              gpu_memory_utilization=0.3, num_gpu_blocks_override=96, seed=0)
+    return llm, store, preempted
+
+
+def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: F811
+    from numpy_metrics import per_row_metrics
+    from reference import hf_attention
+    from vllm import SamplingParams
+
+    import attn_otel
+    from attn_otel import vllm_adapter
+
+    llm, store, preempted = stream_engine
+    (engine,) = vllm_adapter.engines()
+    assert engine.map_layers == (0,) and sorted(engine.streamed) == [1, 2, 3]
+    assert not engine.stream.k_tap, "keys should be read from FLASH_ATTN's cache"
+    rng = np.random.default_rng(2)
+    shared = rng.integers(10, 4000, 320).tolist()
+    batches = [[shared + rng.integers(10, 4000, 400).tolist()], [shared + rng.integers(10, 4000, 50).tolist()],
+               [rng.integers(10, 4000, 20 + 23 * i).tolist() for i in range(16)]]
+    runs = []
+    for bi, prompts in enumerate(batches):
+        traces = [new_trace_id() for _ in prompts]
+        params = [SamplingParams(max_tokens=(16 if bi < 2 else 40 + 2 * i), temperature=0.0, ignore_eos=True,
+                                 extra_args={"attn_otel": "metrics", "traceparent": f"00-{t}-{new_span_id()}-01"})
+                  for i, t in enumerate(traces)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.llm_engine.step()
+        runs += list(zip(outs, traces))
+    assert engine.flush(120)
+    stats = engine.stats.snapshot()
+    results = {"cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+               "attention_impl": engine.attrs["attention_impl"], "preemptions": len(preempted),
+               "prefix_cached_tokens": max(o.num_cached_tokens or 0 for o, _ in runs),
+               "stream_flushes": engine.stream.flushes, "stream_flushed_rows": engine.stream.flushed_rows,
+               "stats": stats}
+    worst: dict[str, float] = {}
+    p99: dict[str, float] = {}
+    for out, t in runs:
+        (cap,) = attn_otel.open_trace(t, store)
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        T = cap.num_tokens
+        assert T == len(ids) - 1 and cap.layers == list(range(LAYERS)) and cap.num_heads == HEADS
+        A = hf_attention(gpu_model, ids[:T], device="cuda")
+        for li in range(LAYERS):
+            ref = per_row_metrics(A[li], cap.prompt_len, 4)
+            for name, r in ref.items():
+                g = np.asarray(cap.metrics[name][li], dtype=np.float64)
+                assert np.array_equal(np.isnan(g), np.isnan(r)), (name, li)
+                ok = ~np.isnan(r)
+                if ok.any():
+                    d = np.abs(g[ok] - r[ok])
+                    key = f"{'map' if li == 0 else 'streamed'} {name}"
+                    worst[key] = max(worst.get(key, 0.0), float(np.median(d)))
+                    p99[key] = max(p99.get(key, 0.0), float(np.quantile(d, 0.99)))
+    results["worst_median_abs_diff"] = worst
+    results["worst_p99_abs_diff"] = p99
+    print("GPU streamed layers:", json.dumps(results, indent=1))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_stream.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    assert "FULL_AND_PIECEWISE" in results["cudagraph_mode"]
+    assert results["attention_impl"].startswith("FlashAttention")
+    assert stats["captured"] == len(runs) and stats["dropped"] == {}, stats
+    assert results["prefix_cached_tokens"] >= 200
+    assert results["preemptions"] > 0, "the 96-block cache was meant to force preemptions"
+    assert results["stream_flushes"] > 10
+    for key, v in p99.items():
+        assert v < (0.1 if key.endswith(" entropy") else 0.05), (key, v)
+    assert all(v < 0.02 for v in worst.values()), worst

@@ -1,0 +1,225 @@
+"""The streamed layers' bookkeeping (attn_otel.stream), driven as the adapter drives it, on CPU.
+
+A toy paged KV cache and scheduler: requests get blocks, tokens are scheduled in chunks and decode steps,
+the "forward" writes each token's query through :meth:`MetricsStream.write` (by KV slot, as vLLM's
+slot_mapping gives it) and its key into the paged cache.  Whatever the ring size, prefix sharing or
+preemption, the per-row metrics gathered at finish must equal the torch reference on the request's whole
+Q and K.  On CPU the flush is the torch reference; with ``-m gpu`` on a CUDA device the same tests run the
+Triton kernel, reading keys from a cache laid out as vLLM 0.26's FLASH_ATTN lays it out."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from attn_otel.attention import attention_metrics
+from attn_otel.capture import LayerSpec
+from attn_otel.stream import MetricsStream, slots_of
+from attn_otel.vllm_adapter import _key_cache_view
+
+H, HKV, D, BS = 4, 2, 16, 4
+LAYERS = [LayerSpec(index=i, name=f"l{i}", num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D ** -0.5)
+          for i in (1, 2, 5)]
+
+
+class Tracked:
+    def __init__(self, prompt, blocks, vision=None):
+        self.prompt_token_ids = prompt
+        self.block_ids = [blocks]
+        self.vision_positions = vision
+        self.written = 0
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
+    return request.param
+
+
+class Toy:
+    """Random Q/K per request and layer, a paged K cache per layer (a ``[blocks, BS, Hkv, D]`` view of
+    FLASH_ATTN's ``(blocks, Hkv, BS, K|V)`` tensor, as vllm_adapter._key_cache_view takes it), and a stream."""
+
+    def __init__(self, rows: int, num_blocks: int = 64, keys_in_cache: bool = True, seed: int = 0,
+                 device: str = "cpu"):
+        self.g = torch.Generator().manual_seed(seed)
+        self.num_blocks = num_blocks
+        self.device = device
+        self.cache = {}
+        for s in LAYERS:  # what vLLM binds to the layer: logical (blocks, Hkv, BS, 2D), physical (blocks, BS, Hkv, 2D)
+            bound = torch.zeros(num_blocks, BS, HKV, 2 * D, dtype=torch.bfloat16, device=device).transpose(1, 2)
+            self.cache[s.index] = _key_cache_view(SimpleNamespace(kv_cache=bound), s, torch.bfloat16)
+            assert self.cache[s.index].shape == (num_blocks, BS, HKV, D)
+        keys = {i: c for i, c in self.cache.items()} if keys_in_cache else None
+        self.stream = MetricsStream(LAYERS, num_blocks * BS, rows, torch.bfloat16, device, BS, 4, keys)
+        self.q, self.k, self.t = {}, {}, {}
+        self.free = list(range(num_blocks))[::-1]
+
+    def new(self, rid, T, prompt_len, share=None, vision=None):
+        """A request of T tokens; ``share=(other, n_blocks)`` reuses the other's first blocks (a prefix hit):
+        its tokens there are the other's."""
+        blocks = []
+        if share is not None:
+            other, nb = share
+            blocks = list(self.t[other].block_ids[0][:nb])
+        n_new = -(-T // BS) - len(blocks)
+        blocks += [self.free.pop() for _ in range(n_new)]
+        self.t[rid] = Tracked(list(range(prompt_len)), blocks, vision)
+        q = {s.index: (torch.randn(T, H, D, generator=self.g) * 2).bfloat16().to(self.device) for s in LAYERS}
+        k = {s.index: (torch.randn(T, HKV, D, generator=self.g) * 2).bfloat16().to(self.device) for s in LAYERS}
+        if share is not None:
+            n = share[1] * BS
+            for s in LAYERS:
+                q[s.index][:n] = self.q[share[0]][s.index][:n]
+                k[s.index][:n] = self.k[share[0]][s.index][:n]
+        self.q[rid], self.k[rid] = q, k
+        return self.t[rid]
+
+    def step(self, chunks, finished=(), preempted=()):
+        """One engine step as the adapter runs it: preempted and finished first, then this step's tokens
+        (``(rid, start, n)``) scheduled and "forwarded"."""
+        self.stream.preempt(preempted)
+        self.stream.finish(finished)
+        got = {r: self.stream.gather(torch.from_numpy(slots_of(self.t[r].block_ids[0], BS, 0,
+                                                               self.t[r].written)).to(self.device))
+               for r in finished}
+        self.stream.forget(finished)
+        items = []
+        for rid, start, n in chunks:
+            self.t[rid].written = start + n
+            items.append((rid, self.t[rid], start, n))
+        self.stream.schedule(items)
+        # the forward: one flattened batch, padded with slot -1 as CUDA graphs pad
+        slot_list, qs, ks = [], {s.index: [] for s in LAYERS}, {s.index: [] for s in LAYERS}
+        for rid, start, n in chunks:
+            slot_list.append(slots_of(self.t[rid].block_ids[0], BS, start, n))
+            for s in LAYERS:
+                qs[s.index].append(self.q[rid][s.index][start:start + n])
+                ks[s.index].append(self.k[rid][s.index][start:start + n])
+        if chunks:
+            slots = torch.from_numpy(np.concatenate(slot_list + [np.full(3, -1)])).to(self.device)
+            for s in LAYERS:
+                q = torch.cat(qs[s.index] + [torch.full((3, H, D), 7.0, dtype=torch.bfloat16, device=self.device)])
+                k = torch.cat(ks[s.index] + [torch.full((3, HKV, D), 7.0, dtype=torch.bfloat16, device=self.device)])
+                self.stream.write(s.index, q.reshape(len(q), H * D), k.reshape(len(k), HKV * D), slots)
+                real = slots >= 0
+                c = self.cache[s.index]
+                c[slots[real] // BS, slots[real] % BS] = k[real]
+        return got
+
+    def check(self, rid, got, vision=None):
+        t = self.t[rid]
+        T = t.written
+        for s in LAYERS:
+            ref = attention_metrics(self.q[rid][s.index][:T], self.k[rid][s.index][:T], s.scale,
+                                    len(t.prompt_token_ids), 4, vision)
+            g = got[self.stream.pos[s.index]].permute(1, 2, 0).float()  # [7, H, T]
+            if vision is None:
+                ref[4:6] = float("nan")
+            assert torch.equal(torch.isnan(g), torch.isnan(ref)), (rid, s.index)
+            ok = ~torch.isnan(ref)
+            err = (g[ok] - ref[ok]).abs().max().item()
+            assert err < 2e-2, (rid, s.index, err)  # float16 storage of values up to log(T)
+
+
+def _run_decode(toy, reqs, decode_steps):
+    """Prefill every request in chunks of 8, then decode them all together; finish them at the end."""
+    for rid, T0 in reqs:
+        for start in range(0, T0, 8):
+            toy.step([(rid, start, min(8, T0 - start))])
+    pos = dict(reqs)
+    for _ in range(decode_steps):
+        toy.step([(rid, pos[rid] + 0, 1) for rid, _ in reqs])
+        pos = {rid: p + 1 for rid, p in pos.items()}
+    return toy.step([], finished=[rid for rid, _ in reqs])
+
+
+@pytest.mark.parametrize("rows, keys_in_cache", [(16, True), (64, True), (1000, True), (16, False)])
+def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache, device):
+    toy = Toy(rows, keys_in_cache=keys_in_cache, device=device)
+    reqs = [("a", 13), ("b", 7), ("c", 21)]
+    for rid, T0 in reqs:
+        toy.new(rid, T0 + 9, prompt_len=T0)
+    got = _run_decode(toy, reqs, 9)
+    for rid, _ in reqs:
+        toy.check(rid, got[rid])
+    assert toy.stream.pending() == 0
+    if rows == 16:
+        assert toy.stream.flushes >= 4  # 68 rows through a 16-row ring: it filled again and again
+    # the ring's rows all came back, and no slot still points at one
+    assert toy.stream._nfree == rows and bool((toy.stream.ring_of_slot == rows).all())
+
+
+def test_a_prefix_hit_on_a_live_requests_pending_rows(device):
+    """b hits a's first 3 blocks while a's rows there are still pending in the ring; b finishes first."""
+    toy = Toy(rows=1000, device=device)
+    toy.new("a", 20, prompt_len=16)
+    toy.step([("a", 0, 16)])
+    toy.new("b", 18, prompt_len=14, share=("a", 3))
+    toy.step([("a", 16, 1), ("b", 12, 2)])  # b's tokens 0..11 are a's (prefix cache), not recomputed
+    toy.step([("a", 17, 1), ("b", 14, 1)])
+    got = toy.step([("a", 18, 1)], finished=["b"])
+    toy.check("b", got["b"])
+    toy.t["b"].written = 0
+    got = toy.step([], finished=["a"])
+    toy.check("a", got["a"])
+
+
+def test_preemption_flushes_before_the_blocks_go(device):
+    """A preempted request's pending rows are computed in the step that frees its blocks; its recomputation
+    later lands in new blocks; every row at finish is right."""
+    toy = Toy(rows=1000, num_blocks=16, device=device)
+    toy.new("a", 14, prompt_len=10)
+    toy.step([("a", 0, 10)])
+    toy.step([("a", 10, 1)])
+    old_blocks = list(toy.t["a"].block_ids[0])
+    # preempted: blocks freed this step (and another request may write into them in this very forward)
+    toy.free.extend(old_blocks[::-1])
+    toy.new("x", 12, prompt_len=12)
+    assert set(toy.t["x"].block_ids[0]) & set(old_blocks)
+    toy.step([("x", 0, 12)], preempted=["a"])
+    # resumed into fresh blocks, recomputed from 0
+    toy.t["a"].block_ids[0] = [toy.free.pop() for _ in range(4)]
+    toy.step([("a", 0, 11)])
+    toy.step([("a", 11, 1)])
+    toy.step([("a", 12, 1)])
+    got = toy.step([], finished=["a", "x"])
+    toy.check("a", got["a"])
+    toy.check("x", got["x"])
+
+
+def test_vision_positions_reach_the_streamed_rows(device):
+    toy = Toy(rows=24, device=device)
+    vision = np.zeros(40, dtype=bool)
+    vision[3:11] = True
+    toy.new("v", 30, prompt_len=20, vision=vision)
+    for start in range(0, 20, 8):
+        toy.step([("v", start, min(8, 20 - start))])
+    for p in range(20, 30):
+        toy.step([("v", p, 1)])
+    got = toy.step([], finished=["v"])
+    toy.check("v", got["v"], vision=torch.from_numpy(vision[:30]).to(device))
+
+
+def test_a_step_larger_than_the_ring_marks_its_requests_lost():
+    toy = Toy(rows=8)
+    toy.new("big", 12, prompt_len=12)
+    toy.step([("big", 0, 12)])
+    assert toy.stream.lost("big")
+    toy.stream.forget(["big"])
+    assert not toy.stream.lost("big")
+
+
+def test_sizes():
+    per = MetricsStream.bytes_per_token(LAYERS, True, torch.bfloat16)
+    assert per == 3 * 7 * H * 2 + 8
+    assert MetricsStream.bytes_per_token(LAYERS, False, torch.bfloat16) == per + 3 * HKV * D * 2
+    assert MetricsStream.ring_bytes(LAYERS, 100, torch.bfloat16) == 3 * 101 * H * D * 2
+    toy = Toy(rows=100, keys_in_cache=False)
+    assert toy.stream.nbytes() == (MetricsStream.ring_bytes(LAYERS, 100, torch.bfloat16)
+                                   + (toy.num_blocks * BS + 1) * MetricsStream.bytes_per_token(LAYERS, False,
+                                                                                               torch.bfloat16))
