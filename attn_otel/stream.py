@@ -44,14 +44,14 @@ DEFAULT_ROWS = 8192
 
 @dataclasses.dataclass
 class _Live:
-    """A request whose rows have gone through the model while streaming, and its pending rows."""
+    """A request whose rows have gone through the model while streaming."""
 
-    idx: int  # owner id in the host slot -> owner table
+    idx: int  # owner id in the host tables
     tracked: Any  # the tracker's record: ``block_ids`` (per KV-cache group), ``prompt_token_ids``, ``vision_positions``
     first: int = 0  # position of the first pending row
     count: int = 0  # pending rows (positions first .. first + count - 1)
-    rows: list = dataclasses.field(default_factory=list)  # their ring rows, one array per step
-    slots: list = dataclasses.field(default_factory=list)  # and their KV slots
+    next: int = 0  # the position its next row should have
+    shared: bool = False  # some of its positions were computed by another request (a prefix-cache hit)
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
 
 
@@ -99,10 +99,14 @@ class MetricsStream:
                 self.keys[s.index] = tap[:, None]
         self._key_block = {i: int(k.shape[1]) for i, k in self.keys.items()}
         self._fused = triton_metrics.available(self.device)
-        # host side
-        self._free = np.arange(R - 1, -1, -1, dtype=np.int64)  # a stack of free ring rows
+        # host side: a stack of free ring rows; per ring row its owner (-1: free), position and slot; per
+        # slot the owner of its pending row (-1: none)
+        self._free = np.arange(R - 1, -1, -1, dtype=np.int64)
         self._nfree = R
-        self._owner = np.full(S, -1, dtype=np.int64)  # slot -> owner id of its pending row
+        self._row_owner = np.full(R, -1, dtype=np.int64)
+        self._row_pos = np.zeros(R, dtype=np.int64)
+        self._row_slot = np.zeros(R, dtype=np.int64)
+        self._owner = np.full(S, -1, dtype=np.int64)
         self._live: dict[str, _Live] = {}
         self._by_idx: dict[int, str] = {}
         self._next = 0
@@ -146,18 +150,14 @@ class MetricsStream:
     def schedule(self, items: Iterable[tuple[str, Any, int, int]]) -> None:
         """This step's tokens: ``(request id, tracked record, first position, count)`` per request.  Gives
         them ring rows (flushing everything pending first when they do not fit) and uploads their slots'
-        ring rows, so the forward writes each query to its row."""
+        ring rows, so the forward writes each query to its row.  Vectorised but for one short Python step
+        per request (a decode step of 256 requests costs a fraction of a millisecond)."""
         items = [it for it in items if it[3] > 0]
         if not items:
             return
-        total = sum(n for _, _, _, n in items)
-        if total > self._nfree:
-            self.flush(list(self._live.values()))
-        stale = [self._live[r] for r, _, start, _ in items
-                 if r in self._live and self._live[r].count and self._live[r].first + self._live[r].count != start]
-        if stale:  # positions went back (e.g. speculative tokens rejected): compute what is pending first
-            self.flush(stale)
-        all_slots, all_rows, owners = [], [], []
+        total = 0
+        stale = []
+        lives = []
         for req_id, tracked, start, n in items:
             live = self._live.get(req_id)
             if live is None:
@@ -165,25 +165,47 @@ class MetricsStream:
                 self._by_idx[self._next] = req_id
                 self._next += 1
             live.tracked = tracked
-            slots = slots_of(tracked.block_ids[self.group], self.block_size, start, n)
-            if n > self._nfree:  # a step larger than the ring (ATTN_OTEL_STREAM_ROWS < max_num_batched_tokens)
+            if start != live.next:  # rows it did not compute itself (a prefix hit), or positions went back
+                live.shared = True
+                if live.count:  # speculative tokens rejected, or a resumed request: compute what is pending
+                    stale.append(live)
+            lives.append(live)
+            total += n
+        if stale:
+            self.flush(stale)
+        if total > self._nfree:
+            self.flush([lv for lv in self._live.values() if lv.count])
+        if total > self._nfree:  # a step larger than the ring: cannot happen with rows >= max_num_batched_tokens
+            for live in lives:
                 live.lost = True
-                continue
-            rows = self._free[self._nfree - n:self._nfree].copy()
-            self._nfree -= n
+            return
+        g, bs = self.group, self.block_size
+        slot_l: list[int] = []
+        pos_l: list[int] = []
+        own_l: list[int] = []
+        for live, (_, tracked, start, n) in zip(lives, items):
+            blocks = tracked.block_ids[g]
+            if n == 1:
+                slot_l.append(blocks[start // bs] * bs + start % bs)
+                pos_l.append(start)
+                own_l.append(live.idx)
+            else:
+                slot_l.extend(slots_of(blocks, bs, start, n).tolist())
+                pos_l.extend(range(start, start + n))
+                own_l.extend([live.idx] * n)
             if not live.count:
                 live.first = start
             live.count += n
-            live.rows.append(rows)
-            live.slots.append(slots)
-            all_slots.append(slots)
-            all_rows.append(rows)
-            owners.append(np.full(n, live.idx, dtype=np.int64))
-        if not all_slots:
-            return
-        slots = np.concatenate(all_slots)
-        self._owner[slots] = np.concatenate(owners)
-        pair = self._up(np.stack([slots, np.concatenate(all_rows)]))
+            live.next = start + n
+        rows = self._free[self._nfree - total:self._nfree].copy()
+        self._nfree -= total
+        slots = np.asarray(slot_l, dtype=np.int64)
+        owners = np.asarray(own_l, dtype=np.int64)
+        self._row_owner[rows] = owners
+        self._row_pos[rows] = np.asarray(pos_l, dtype=np.int64)
+        self._row_slot[rows] = slots
+        self._owner[slots] = owners
+        pair = self._up(np.stack([slots, rows]))
         self.ring_of_slot.index_copy_(0, pair[0], pair[1])
 
     def finish(self, req_ids: Iterable[str]) -> None:
@@ -197,7 +219,7 @@ class MetricsStream:
             todo[live.idx] = live
             t = live.tracked
             n = int(getattr(t, "written", 0))
-            if n > 0 and t.block_ids and len(t.block_ids) > self.group:
+            if live.shared and n > 0 and t.block_ids and len(t.block_ids) > self.group:
                 blocks = t.block_ids[self.group]
                 n = min(n, len(blocks) * self.block_size)
                 owners = np.unique(self._owner[slots_of(blocks, self.block_size, 0, n)])
@@ -223,49 +245,54 @@ class MetricsStream:
                 self._by_idx.pop(live.idx, None)
 
     def flush(self, lives: Sequence[_Live]) -> None:
-        lives = [lv for lv in lives if lv.count]
+        """Compute these requests' pending rows (one kernel launch per streamed layer) and free their rows."""
+        lives = sorted((lv for lv in lives if lv.count), key=lambda lv: lv.idx)
         if not lives:
             return
+        idx = np.asarray([lv.idx for lv in lives], dtype=np.int64)
+        rows = np.flatnonzero(np.isin(self._row_owner, idx))
+        rows = rows[np.lexsort((self._row_pos[rows], self._row_owner[rows]))]  # by request, then position
+        own = self._row_owner[rows]
+        starts = np.searchsorted(own, idx, "left")
+        ends = np.searchsorted(own, idx, "right")
+        counts = (ends - starts).tolist()
+        firsts = self._row_pos[rows[starts]].tolist()
+        row_slots = self._row_slot[rows]
         bs, g = self.block_size, self.group
-        firsts, counts, q_rows, key_slots, prompt, row_slots = [], [], [], [], [], []
+        key_slots, prompt, vm_parts, vc_parts = [], [], [], []
         vision_any = False
-        vm_parts, vc_parts = [], []
-        for lv in lives:
+        for b, lv in enumerate(lives):
             t = lv.tracked
-            end = lv.first + lv.count
-            firsts.append(lv.first)
-            counts.append(lv.count)
-            q_rows.append(np.concatenate(lv.rows))
-            rs = np.concatenate(lv.slots)
-            row_slots.append(rs)
+            end = firsts[b] + counts[b]
             ks = slots_of(t.block_ids[g], bs, 0, end)
-            ks[lv.first:end] = rs  # the rows' own slots (the same, unless blocks changed under them)
+            ks[firsts[b]:end] = row_slots[starts[b]:ends[b]]  # the rows' own slots (the same unless blocks moved)
             key_slots.append(ks)
             prompt.append(min(len(t.prompt_token_ids or ()), end))
             vp = getattr(t, "vision_positions", None)
-            vm = np.zeros(end, dtype=np.float32)
+            vm = None
             if vp is not None:
+                vm = np.zeros(end, dtype=np.float32)
                 k = min(end, len(vp))
                 vm[:k] = np.asarray(vp[:k], dtype=np.float32)
                 vision_any = vision_any or bool(vm.any())
             vm_parts.append(vm)
-            vc_parts.append(np.cumsum(vm)[lv.first:end])
-        rows_np = np.concatenate(q_rows)
-        slots_np = np.concatenate(row_slots)
+        if vision_any:
+            vm_parts = [np.zeros(len(ks), dtype=np.float32) if vm is None else vm for vm, ks in zip(vm_parts, key_slots)]
+            vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
         if self._fused:
-            self._flush_fused(firsts, counts, rows_np, key_slots, prompt, vm_parts if vision_any else None,
+            self._flush_fused(firsts, counts, rows, key_slots, prompt, vm_parts if vision_any else None,
                               vc_parts if vision_any else None)
         else:
-            self._flush_torch(lives, firsts, counts, key_slots, prompt, vm_parts if vision_any else None)
+            self._flush_torch(firsts, counts, rows, starts, key_slots, prompt, vm_parts if vision_any else None)
         # the rows are computed (stream order): free them; their slots point at the padding row again
-        slots_dev = self._up(slots_np)
-        self.ring_of_slot.index_fill_(0, slots_dev, self.rows)
-        self._owner[slots_np] = -1
-        n = rows_np.shape[0]
-        self._free[self._nfree:self._nfree + n] = rows_np
+        self.ring_of_slot.index_fill_(0, self._up(row_slots), self.rows)
+        self._owner[row_slots] = -1
+        self._row_owner[rows] = -1
+        n = rows.shape[0]
+        self._free[self._nfree:self._nfree + n] = rows
         self._nfree += n
         for lv in lives:
-            lv.rows, lv.slots, lv.count = [], [], 0
+            lv.count = 0
         self.flushes += 1
         self.flushed_rows += n
 
@@ -292,14 +319,14 @@ class MetricsStream:
                 self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                 max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
 
-    def _flush_torch(self, lives, firsts, counts, key_slots, prompt, vm_parts) -> None:
+    def _flush_torch(self, firsts, counts, rows_np, starts, key_slots, prompt, vm_parts) -> None:
         """The same rows through the torch reference (CPU builds): a query tensor of the request's length with
         only the pending rows filled, metrics from the first pending row on."""
-        for b, lv in enumerate(lives):
+        for b in range(len(firsts)):
             a, n = firsts[b], counts[b]
             end = a + n
             ks = torch.from_numpy(key_slots[b]).to(self.device)
-            rows = torch.from_numpy(np.concatenate(lv.rows)).to(self.device)
+            rows = torch.from_numpy(rows_np[starts[b]:starts[b] + n]).to(self.device)
             vm = None
             if vm_parts is not None and vm_parts[b].any():
                 vm = torch.from_numpy(vm_parts[b]).to(self.device)
