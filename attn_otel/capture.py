@@ -371,6 +371,8 @@ class CaptureEngine:
         self._fused = triton_metrics.available(self.device)
         self._device_lock = threading.Lock()
         self._device_bytes = 0
+        self.finish_device_s = 0.0  # device time of the batched finish-time work (metrics-only captures)
+        self._finish_timing: list = []
         self._device_idle = threading.Event()
         self._device_idle.set()
         self._compute_q: queue.Queue[_Pending] = queue.Queue()
@@ -530,6 +532,11 @@ class CaptureEngine:
         next step can reuse their blocks, so stream order keeps it exact), then one copy of the small
         ``[L, 7, H, sum T]`` result to pinned host memory.  No gather, no host sync."""
         t0 = time.perf_counter()
+        while self._finish_timing and self._finish_timing[0][1].query():  # completed: never a sync
+            a, b = self._finish_timing.pop(0)
+            self.finish_device_s += a.elapsed_time(b) / 1000.0
+        started = torch.cuda.Event(enable_timing=True)
+        started.record()
         layers = self.layers
         H = max(s.num_heads for s in layers)
         Ts = [info["T"] for _, info in batch]
@@ -584,8 +591,9 @@ class CaptureEngine:
         for i, t in tokens_dev:
             tok_host[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             tok_host[i].copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
+        self._finish_timing.append((started, event))
         loop = time.perf_counter() - t0
         for i, ((req, info), rec) in enumerate(zip(batch, records)):
             keep = [li for li, spec in enumerate(layers) if spec in info["layers"]]
@@ -939,11 +947,12 @@ class CaptureEngine:
             snap = self.stats.snapshot(percentiles=True)
             snap.update(queue_pending_bytes=self.handoff.pending_bytes, device_queue_pending_bytes=self._device_bytes,
                         tap_bytes=self.device_bytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
-                        tap_bytes_per_token=self.bytes_per_token())
+                        tap_bytes_per_token=self.bytes_per_token(), finish_device_s=self.finish_device_s)
             st = self.stream
             if st is not None:
                 snap.update(streamed_layers=sorted(self.streamed), stream_rows=st.rows, stream_flushes=st.flushes,
-                            stream_flushed_rows=st.flushed_rows, stream_pending_rows=st.pending())
+                            stream_flushed_rows=st.flushed_rows, stream_pending_rows=st.pending(),
+                            stream_host_s=st.host_s, stream_device_s=st.device_s)
             with open(path + ".tmp", "w") as f:
                 json.dump(snap, f)
             os.replace(path + ".tmp", path)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -112,6 +113,9 @@ class MetricsStream:
         self._next = 0
         self.flushes = 0
         self.flushed_rows = 0
+        self.host_s = 0.0  # engine-loop time spent here (schedule and flush)
+        self.device_s = 0.0  # device time of the flush kernels (and their uploads), as far as completed
+        self._timing: list = []
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -137,13 +141,13 @@ class MetricsStream:
     # ------------------------------------------------------------------ in the forward (graph-safe)
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
-        slots = slot_mapping.to(torch.long)
-        slots = torch.where(slots < 0, self.num_slots, slots)
         qr = self.q[self.pos[layer]]
-        qr.index_copy_(0, self.ring_of_slot.index_select(0, slots),
-                       query[:n].reshape(n, qr.shape[1], qr.shape[2]).to(qr.dtype))
+        # Two kernels: padded tokens (slot -1) index the table's last entry, the ring's padding row.
+        qr.index_copy_(0, self.ring_of_slot[slot_mapping], query[:n].reshape(n, qr.shape[1], qr.shape[2]).to(qr.dtype))
         tap = self.k_tap.get(layer)
         if tap is not None:
+            slots = slot_mapping.to(torch.long)
+            slots = torch.where(slots < 0, self.num_slots, slots)
             tap.index_copy_(0, slots, key[:n].reshape(n, tap.shape[1], tap.shape[2]).to(tap.dtype))
 
     # ------------------------------------------------------------------ engine loop, before a forward
@@ -152,7 +156,13 @@ class MetricsStream:
         them ring rows (flushing everything pending first when they do not fit) and uploads their slots'
         ring rows, so the forward writes each query to its row.  Vectorised but for one short Python step
         per request (a decode step of 256 requests costs a fraction of a millisecond)."""
-        items = [it for it in items if it[3] > 0]
+        t0 = time.perf_counter()
+        try:
+            self._schedule([it for it in items if it[3] > 0])
+        finally:
+            self.host_s += time.perf_counter() - t0
+
+    def _schedule(self, items: list) -> None:
         if not items:
             return
         total = 0
@@ -246,6 +256,13 @@ class MetricsStream:
 
     def flush(self, lives: Sequence[_Live]) -> None:
         """Compute these requests' pending rows (one kernel launch per streamed layer) and free their rows."""
+        t0 = time.perf_counter()
+        try:
+            self._flush(lives)
+        finally:
+            self.host_s += time.perf_counter() - t0
+
+    def _flush(self, lives: Sequence[_Live]) -> None:
         lives = sorted((lv for lv in lives if lv.count), key=lambda lv: lv.idx)
         if not lives:
             return
@@ -307,6 +324,9 @@ class MetricsStream:
         cu_rows[1:] = np.cumsum(counts)
         cu_keys = np.zeros(len(counts) + 1, dtype=np.int32)
         cu_keys[1:] = np.cumsum([len(k) for k in key_slots])
+        self._poll_timing()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
         up = self._up
         rows_d, cu_rows_d, first_d = up(rows_np), up(cu_rows), up(np.asarray(firsts, dtype=np.int32))
         keys_d, cu_keys_d = up(np.concatenate(key_slots)), up(cu_keys)
@@ -318,6 +338,15 @@ class MetricsStream:
             triton_metrics.row_metrics_stream(
                 self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                 max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timing.append((start, end))
+
+    def _poll_timing(self) -> None:
+        """Device time of the flushes (CUDA events, read once they completed: never a sync)."""
+        while self._timing and self._timing[0][1].query():
+            a, b = self._timing.pop(0)
+            self.device_s += a.elapsed_time(b) / 1000.0
 
     def _flush_torch(self, firsts, counts, rows_np, starts, key_slots, prompt, vm_parts) -> None:
         """The same rows through the torch reference (CPU builds): a query tensor of the request's length with

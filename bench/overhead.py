@@ -134,6 +134,34 @@ def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict
     return result
 
 
+def profile_phase(phase: str, out: Path, workload: str) -> None:
+    """One warm workload run of ``phase`` under torch.profiler, the engine in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): where the GPU and the host spend their time (profile-PHASE.txt)."""
+    import torch
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
+    for k in ("ATTN_OTEL", "ATTN_OTEL_LAYERS"):
+        os.environ.pop(k, None)
+    os.environ.update({"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0"})
+    if phase in ("auto", "all"):
+        os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": phase})
+    from vllm import LLM
+
+    llm = LLM(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
+              gpu_memory_utilization=0.9, seed=0)
+    _run_workload(llm, workload, 0.0, seed=99)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        res = _run_workload(llm, workload, 0.0, seed=1)
+    ka = prof.key_averages()
+    text = (f"# {phase} {workload}: {res['output_tokens_per_s']:.0f} tok/s under the profiler\n\n"
+            "## by device time\n" + ka.table(sort_by="self_cuda_time_total", row_limit=45) +
+            "\n## by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=45))
+    (out / f"profile-{phase}.txt").write_text(text)
+    print(text[:6000], flush=True)
+
+
 def report(out: Path, device: str | None = None, vllm_version: str | None = None) -> dict:
     import matplotlib
 
@@ -194,8 +222,13 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="merge the phase files in --out")
     ap.add_argument("--device", help="device name for phase files that lack it")
     ap.add_argument("--vllm-version", help="vLLM version for phase files that lack it")
+    ap.add_argument("--profile", choices=["off", "auto", "all"],
+                    help="profile one warm run of this phase (first --workload) instead of measuring")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0])
+        return 0
     for phase in args.phase:
         run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS))
     if args.report:
