@@ -30,6 +30,7 @@ import torch
 from . import triton_metrics
 from .attention import METRICS, ROWS, attention_metrics
 from .config import Config, RequestOptions
+from .metrics import summary_only
 from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent,
                   traceparent_sampled)
 from .store import CapturePart, CaptureRecord
@@ -231,6 +232,69 @@ class _Job:
     t_finish: float
     token_ids: torch.Tensor | None = None  # host copy of device-held token ids, valid after ``event``
     keep: list[int] | None = None  # the request's layers among per_row's, picked after ``event``
+    # Instead of per_row (None then): its summary computed on the device, [part, metric, stat, L, H] host
+    # float32 (attn_otel.metrics.summary_to_array's layout), when no per-row metrics are stored.
+    summary: torch.Tensor | None = None
+
+
+SUMMARY_CHUNK_BYTES = 256 << 20
+
+
+def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequence[int]) -> torch.Tensor:
+    """:func:`attn_otel.metrics.summarize` + :func:`~attn_otel.metrics.summary_to_array` of several
+    requests at once, in torch on ``per_row``'s device: ``per_row [L, 7, H, sum T]`` (request b's rows at
+    ``cu[b]:cu[b+1]``, NaN where undefined) -> ``[B, part, metric, stat, L, H]`` float32.  The same
+    statistics (mean over defined rows, and NumPy's "linear" quantiles of them), computed where the rows
+    are, so that only a few kB per request cross to the host and the writers."""
+    from .metrics import GENERATED_ONLY, PARTS, QUANTILES, SUMMARY_METRICS, SUMMARY_STATS
+
+    L, M, H, _ = per_row.shape
+    dev = per_row.device
+    B = len(cu) - 1
+    Ts = [int(cu[b + 1] - cu[b]) for b in range(B)]
+    out = torch.full((B, len(PARTS), len(SUMMARY_METRICS), len(SUMMARY_STATS), L, H), float("nan"),
+                     dtype=torch.float32, device=dev)
+    gen_only = [SUMMARY_METRICS.index(n) for n in GENERATED_ONLY]
+    b0 = 0
+    while b0 < B:  # chunks of requests, each padded to its longest
+        tmax = Ts[b0]
+        b1 = b0 + 1
+        while b1 < B and (b1 + 1 - b0) * max(tmax, Ts[b1]) * L * M * H * 4 <= SUMMARY_CHUNK_BYTES:
+            tmax = max(tmax, Ts[b1])
+            b1 += 1
+        n = b1 - b0
+        ar = torch.arange(tmax, device=dev)
+        start = torch.tensor([int(cu[b]) for b in range(b0, b1)], device=dev)
+        T = torch.tensor(Ts[b0:b1], device=dev)
+        N = torch.tensor([min(int(prompt_lens[b]), Ts[b]) for b in range(b0, b1)], device=dev)
+        idx = (start[:, None] + ar[None, :]).clamp(max=per_row.shape[-1] - 1)  # [n, tmax]
+        x = per_row[..., idx.reshape(-1)].reshape(L, M, H, n, tmax)
+        for pi, part in enumerate(PARTS):
+            lo_pos = torch.zeros_like(N) if part == "prompt" else N
+            hi_pos = N if part == "prompt" else T
+            mask = (ar[None, :] >= lo_pos[:, None]) & (ar[None, :] < hi_pos[:, None])  # [n, tmax]
+            v = torch.where(mask, x, torch.full((), float("nan"), device=dev))
+            if part == "prompt":
+                v[:, gen_only] = float("nan")
+            defined = ~torch.isnan(v)
+            count = defined.sum(-1)
+            total = torch.where(defined, v, 0.0).sum(-1)
+            stats = [torch.where(count > 0, total / count.clamp(min=1), float("nan"))]
+            srt = torch.sort(v, dim=-1).values  # NaN sorts last
+            last = (count - 1).clamp(min=0)
+            for q in QUANTILES.values():
+                pos = q * last.double()
+                lo = torch.floor(pos).long()
+                hi = torch.minimum(lo + 1, last)
+                t = (pos - lo).float()
+                a = torch.gather(srt, -1, lo[..., None])[..., 0]
+                bv = torch.gather(srt, -1, hi[..., None])[..., 0]
+                val = torch.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
+                stats.append(torch.where(count > 0, val, float("nan")))
+            # [L, M, H, n] per stat -> [n, M, stat, L, H]
+            out[b0:b1, pi] = torch.stack(stats, 0).permute(4, 2, 0, 1, 3)
+        b0 = b1
+    return out
 
 
 def _at_exit(fn: Callable[[], None]) -> None:
@@ -585,8 +649,17 @@ class CaptureEngine:
                 got = got[order]
             idx = torch.tensor(streamed, dtype=torch.long).to(dev, non_blocking=True)
             out[:, :, : got.shape[3]].index_copy_(0, idx, got.permute(0, 2, 3, 1).float())
-        host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(out, non_blocking=True)
+        # Rows stored for no capture here (ATTN_OTEL_ROW_METRICS=maps): summarise on the device, so a few kB
+        # per request reach the host and the writers instead of [L, 7, H, T] rows (28 MB at 8B scale).
+        summaries = None
+        if self.config.row_metrics != "all":
+            dev_sum = device_summaries(out, cu.tolist(), prompt.tolist())
+            summaries = torch.empty(dev_sum.shape, dtype=torch.float32, pin_memory=True)
+            summaries.copy_(dev_sum, non_blocking=True)
+            host = None
+        else:
+            host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(out, non_blocking=True)
         tok_host = {}
         for i, t in tokens_dev:
             tok_host[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -597,9 +670,13 @@ class CaptureEngine:
         loop = time.perf_counter() - t0
         for i, ((req, info), rec) in enumerate(zip(batch, records)):
             keep = [li for li, spec in enumerate(layers) if spec in info["layers"]]
-            per_row = host[:, :, :, cu[i]:cu[i + 1]].permute(1, 0, 2, 3)  # a view: read after ``event``
-            job = _Job(rec, per_row, None, event, info["nbytes"], info["t0"], tok_host.get(i),
-                       keep=keep if len(keep) < len(layers) else None)
+            if host is not None:
+                per_row = host[:, :, :, cu[i]:cu[i + 1]].permute(1, 0, 2, 3)  # a view: read after ``event``
+                job = _Job(rec, per_row, None, event, info["nbytes"], info["t0"], tok_host.get(i),
+                           keep=keep if len(keep) < len(layers) else None)
+            else:
+                job = _Job(rec, None, None, event, info["nbytes"], info["t0"], tok_host.get(i),
+                           keep=keep if len(keep) < len(layers) else None, summary=summaries[i])
             self.handoff.put(job)
             if rec.part is None or rec.part.index == 0:  # a parallel capture counts once, on its first part
                 self.stats.add("captured")
@@ -783,7 +860,10 @@ class CaptureEngine:
             if job.event is not None:
                 job.event.synchronize()
             if job.keep is not None:
-                job.per_row = job.per_row[:, job.keep]
+                if job.per_row is not None:
+                    job.per_row = job.per_row[:, job.keep]
+                if job.summary is not None:
+                    job.summary = job.summary[:, :, :, job.keep]
             latency = time.perf_counter() - job.t_finish
             self.stats.latencies.append(latency)
             rec = job.record
@@ -820,14 +900,19 @@ class CaptureEngine:
     def _write_in_thread(self, rec: CaptureRecord, job: _Job, names: list[str], latency: float) -> dict:
         from .exporters import ExportItem, build_exporters
 
-        per_row = job.per_row.numpy()
-        rec.metrics = {name: per_row[METRICS.index(name)] for name in names}
+        summary = None
+        if job.per_row is not None:
+            per_row = job.per_row.numpy()
+            rec.metrics = {name: per_row[METRICS.index(name)] for name in names}
+        else:
+            rec.metrics, summary = summary_only(job.summary.numpy(), names)
         rec.maps = job.maps.numpy() if job.maps is not None else None
         fanout = getattr(self._local, "fanout", None)
         if fanout is None:
             fanout = self._local.fanout = build_exporters(self.config)
             self._fanouts.append(fanout)
         item = ExportItem(rec, latency_s=latency)
+        item._summary = summary
         errors = fanout.export(item)
         return {"ok": True, "bytes": item.bytes_written, "errors": errors, "complete": item.complete,
                 "maps_stored": bool(item.maps_stored)}
@@ -838,7 +923,8 @@ class CaptureEngine:
         import json
         from multiprocessing import shared_memory
 
-        arrays: dict[str, tuple[torch.Tensor | np.ndarray, str]] = {"per_row": (job.per_row, "float32")}
+        arrays: dict[str, tuple[torch.Tensor | np.ndarray, str]] = (
+            {"per_row": (job.per_row, "float32")} if job.per_row is not None else {"summary": (job.summary, "float32")})
         if job.maps is not None:
             arrays["maps"] = (job.maps, "float16")
         if rec.token_ids is not None:

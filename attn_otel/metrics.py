@@ -164,3 +164,11 @@ def summary_from_array(arr: np.ndarray, present: Sequence[str]) -> dict[str, dic
                                                / np.maximum(heads.sum(-1), 1), np.nan)
             out[part][name] = stats
     return out
+
+
+def summary_only(arr: np.ndarray, names: Sequence[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A capture summarised on the device: its metrics with no rows (``[L, H, 0]``: the names it has, for
+    the store's metadata) and the summary the exporters use (see :func:`attn_otel.capture.device_summaries`)."""
+    L, H = arr.shape[-2:]
+    return ({name: np.zeros((L, H, 0), dtype=np.float32) for name in names},
+            summary_from_array(arr, list(names)))

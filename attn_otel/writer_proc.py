@@ -7,6 +7,9 @@ POSIX shared-memory segment and writes one JSON line on the writer's stdin::
      "arrays": {"per_row": [offset, shape, dtype], "maps": [...], "token_ids": [...], "vision_mask": [...]},
      "metrics": {"entropy": 0, ...}}          (metric name -> its row in per_row)
 
+or, for a capture summarised on the device (no per-row metrics stored), ``"summary"`` ``[part, metric, stat,
+layer, head]`` in place of ``"per_row"``.
+
 The writer maps the segment read-only into NumPy views, runs the exporters on the capture (the Zarr store
 first, marker last; then OpenTelemetry and Prometheus, see :mod:`attn_otel.exporters`) and answers one JSON
 line on stdout: ``{"id": 7, "ok": true, "bytes": N, "errors": {exporter: message}}`` or
@@ -45,6 +48,7 @@ def _config(store_url: str, config_json: str | None):
 def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = None) -> None:
     import numpy as np
 
+    from .metrics import summary_only
     from .exporters import ExportItem, build_exporters
     from .store import CaptureRecord
 
@@ -63,12 +67,19 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
             views = {name: np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=shm.buf, offset=int(off))
                      for name, (off, shape, dtype) in msg["arrays"].items()}
             per_row = views.get("per_row")
-            metrics = {name: per_row[int(i)] for name, i in msg.get("metrics", {}).items() if per_row is not None}
+            summary = None
+            if per_row is not None:
+                metrics = {name: per_row[int(i)] for name, i in msg.get("metrics", {}).items()}
+            elif views.get("summary") is not None:  # summarised on the device: no rows
+                metrics, summary = summary_only(views["summary"], list(msg.get("metrics", {})))
+            else:
+                metrics = {}
             rec = CaptureRecord(**msg["record"], token_ids=views.get("token_ids"), maps=views.get("maps"),
                                 vision_mask=views.get("vision_mask"), metrics=metrics)
             if fanout is None:
                 fanout = build_exporters(_config(store_url, config_json))
             item = ExportItem(rec, latency_s=float(msg.get("latency_s", 0.0)))
+            item._summary = summary
             errors = fanout.export(item)
             reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors,
                      "complete": item.complete, "maps_stored": bool(item.maps_stored)}

@@ -223,3 +223,70 @@ def test_sizes():
     assert toy.stream.nbytes() == (MetricsStream.ring_bytes(LAYERS, 100, torch.bfloat16)
                                    + (toy.num_blocks * BS + 1) * MetricsStream.bytes_per_token(LAYERS, False,
                                                                                                torch.bfloat16))
+
+
+def test_device_summaries_equal_numpy(device):
+    """The finish-time summary computed where the rows are (attn_otel.capture.device_summaries) equals
+    attn_otel.metrics.summarize + summary_to_array of the same rows, request by request: prompt-only and
+    one-row requests, undefined (NaN) rows, metrics with no defined row at all."""
+    from attn_otel.capture import device_summaries
+    from attn_otel.metrics import summarize, summary_to_array
+
+    g = torch.Generator().manual_seed(3)
+    L, M, Hh = 3, 7, 4
+    Ts, Ns = [1, 9, 40, 17, 5], [1, 9, 25, 10, 2]
+    rows = torch.rand(L, M, Hh, sum(Ts), generator=g)
+    rows[:, 2:4, :, ::3] = float("nan")  # sink metrics undefined on some rows
+    rows[:, 4:6] = float("nan")  # no image: the vision metrics nowhere defined
+    rows[:, 6, 1] = float("nan")  # a head with no lookback value
+    cu = np.concatenate([[0], np.cumsum(Ts)]).tolist()
+    got = device_summaries(rows.to(device), cu, Ns).cpu().numpy()
+    for b, (T, N) in enumerate(zip(Ts, Ns)):
+        r = rows[:, :, :, cu[b]:cu[b + 1]].numpy()
+        per_row = {name: r[:, i] for i, name in enumerate(("entropy", "entropy_norm", "sink_mass_first",
+                                                           "sink_mass_k", "vision_share", "vision_share_norm",
+                                                           "lookback_ratio"))}
+        want = summary_to_array(summarize(per_row, N), L, Hh)
+        assert got[b].shape == want.shape
+        np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"request {b}")
+
+
+def test_a_device_summarised_capture_is_stored_and_read_back(tmp_path):
+    """The writer's side of a capture summarised on the device (no rows): the store keeps its summary, no
+    per-row metrics, and Capture.summary() returns it."""
+    import attn_otel
+    from attn_otel.capture import CaptureEngine, _Job, device_summaries
+    from attn_otel.config import Config
+    from attn_otel.ids import new_trace_id
+    from attn_otel.metrics import summarize
+
+    for writer in ("thread", "process"):
+        eng = CaptureEngine(Config(store=str(tmp_path / writer), writer=writer), LAYERS, 64, torch.float32, "cpu")
+        try:
+            T, N = 12, 8
+            rows = torch.rand(len(LAYERS), 7, H, T, generator=torch.Generator().manual_seed(5))
+            rows[:, 4:6] = float("nan")
+            rows[:, 6, :, : N + 1] = float("nan")
+            trace = new_trace_id()
+            rec, _ = eng._record(SimpleNamespace(request_id="r", vision_positions=None, prompt_token_ids=list(range(N)),
+                                                 output_token_ids=[1] * (T - N), token_ids_device=None),
+                                 LAYERS, T, False, trace, None)
+            summ = device_summaries(rows, [0, T], [N])[0]
+            eng.handoff.reserve(1000)
+            eng.handoff.put(_Job(rec, None, None, None, 1000, 0.0, summary=summ))
+            assert eng.flush(60)
+            assert eng.stats.snapshot()["stored"] == 1
+            (cap,) = attn_otel.open_trace(trace, store=tmp_path / writer)
+            assert not cap.has_row_metrics and not cap.has_maps
+            want = summarize({n: rows[:, i].numpy() for i, n in enumerate(("entropy", "entropy_norm",
+                              "sink_mass_first", "sink_mass_k", "vision_share", "vision_share_norm",
+                              "lookback_ratio")) if i not in (4, 5)}, N)
+            got = cap.summary()
+            for part in ("prompt", "generated"):
+                np.testing.assert_allclose(got[part]["entropy"]["p50"], want[part]["entropy"]["p50"], rtol=1e-5)
+                np.testing.assert_allclose(got[part]["sink_mass_k"]["mean"], want[part]["sink_mass_k"]["mean"],
+                                           rtol=1e-5)
+            np.testing.assert_allclose(got["generated"]["lookback_ratio"]["p90"],
+                                       want["generated"]["lookback_ratio"]["p90"], rtol=1e-5)
+        finally:
+            eng.close()
