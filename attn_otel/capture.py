@@ -238,6 +238,7 @@ class _Job:
 
 
 SUMMARY_CHUNK_BYTES = 256 << 20
+FINISH_CHUNK_BYTES = 512 << 20  # per-row metrics of a step's finished requests on the device, per launch
 
 
 def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequence[int]) -> torch.Tensor:
@@ -488,15 +489,7 @@ class CaptureEngine:
                 self.warn_once(f"err:{type(e).__name__}", "capture of request %s failed; dropped and counted "
                                "(logged once per error type)", req.request_id, exc=True)
         if batch:
-            try:
-                self._metrics_from_tap(batch)
-            except Exception as e:  # noqa: BLE001
-                for _, info in batch:
-                    self.handoff.release(info["nbytes"])
-                    self._device_release(info["device"])
-                self.stats.add("dropped", len(batch), reason="capture_error")
-                self.warn_once(f"err:{type(e).__name__}", "capture of %d requests failed; dropped and counted "
-                               "(logged once per error type)", len(batch), exc=True)
+            self._metrics_from_tap(batch)
 
     def _capture(self, req: FinishedRequest) -> dict[str, Any] | None:
         """Either enqueue the request's capture (gather + compute thread), or, for a metrics-only capture
@@ -551,7 +544,11 @@ class CaptureEngine:
             return
         H = max(s.num_heads for s in layers)
         L = len(layers)
-        nbytes = len(METRICS) * L * H * T * 4 + (L * H * T * T * 2 if want_maps else 0)
+        summarised = not want_maps and self._fused and self.config.row_metrics != "all"
+        if summarised:  # only its summary leaves the device (see device_summaries)
+            nbytes = 2 * len(METRICS) * 4 * L * H * 4
+        else:
+            nbytes = len(METRICS) * L * H * T * 4 + (L * H * T * T * 2 if want_maps else 0)
         if not self.handoff.reserve(nbytes):
             if want_maps and self.handoff.reserve(nbytes - L * H * T * T * 2):
                 nbytes -= L * H * T * T * 2
@@ -563,7 +560,7 @@ class CaptureEngine:
                                "captures and counting them", self.config.queue_bytes)
                 return
         if not want_maps and self._fused:
-            device = len(METRICS) * L * H * T * 4
+            device = nbytes if summarised else len(METRICS) * L * H * T * 4
             if not self._device_reserve(device):
                 self.handoff.release(nbytes)
                 self.stats.add("dropped", reason="device_queue_full")
@@ -595,6 +592,29 @@ class CaptureEngine:
         reads all of the step's finished requests' Q/K rows from the tap by slot index (enqueued before the
         next step can reuse their blocks, so stream order keeps it exact), then one copy of the small
         ``[L, 7, H, sum T]`` result to pinned host memory.  No gather, no host sync."""
+        chunks = [batch]
+        if self.config.row_metrics != "all":
+            # Rows summarised here: the [L, 7, H, sum T] rows are transient; bound them per launch.
+            per_token = len(self.layers) * len(METRICS) * max(s.num_heads for s in self.layers) * 4
+            chunks, size = [[]], 0
+            for item in batch:
+                if chunks[-1] and size + item[1]["T"] * per_token > FINISH_CHUNK_BYTES:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append(item)
+                size += item[1]["T"] * per_token
+        for chunk in chunks:
+            try:
+                self._metrics_from_tap_chunk(chunk)
+            except Exception as e:  # noqa: BLE001 - capture must never take the engine down
+                for _, info in chunk:
+                    self.handoff.release(info["nbytes"])
+                    self._device_release(info["device"])
+                self.stats.add("dropped", len(chunk), reason="capture_error")
+                self.warn_once(f"err:{type(e).__name__}", "capture of %d requests failed; dropped and counted "
+                               "(logged once per error type)", len(chunk), exc=True)
+
+    def _metrics_from_tap_chunk(self, batch: list[tuple[FinishedRequest, dict[str, Any]]]) -> None:
         t0 = time.perf_counter()
         while self._finish_timing and self._finish_timing[0][1].query():  # completed: never a sync
             a, b = self._finish_timing.pop(0)

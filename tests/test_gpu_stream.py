@@ -96,11 +96,11 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
             want = summarize({n: np.stack(v) for n, v in ref_rows.items()}, cap.prompt_len)
             got = cap.summary()
             for part, metrics in want.items():
-                for name, stats in metrics.items():
-                    if stats is None or got[part].get(name) is None:
+                for name, ref_stats in metrics.items():
+                    if ref_stats is None or got[part].get(name) is None:
                         continue
                     for stat in ("mean", "p10", "p50", "p90"):
-                        w, g = np.asarray(stats[stat]), np.asarray(got[part][name][stat])
+                        w, g = np.asarray(ref_stats[stat]), np.asarray(got[part][name][stat])
                         assert np.array_equal(np.isnan(w), np.isnan(g)), (part, name, stat)
                         for li in range(LAYERS):
                             ok = ~np.isnan(w[li])
