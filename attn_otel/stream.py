@@ -324,9 +324,11 @@ class MetricsStream:
         cu_rows[1:] = np.cumsum(counts)
         cu_keys = np.zeros(len(counts) + 1, dtype=np.int32)
         cu_keys[1:] = np.cumsum([len(k) for k in key_slots])
-        self._poll_timing()
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
+        timed = self.device.type == "cuda"
+        if timed:
+            self._poll_timing()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         up = self._up
         rows_d, cu_rows_d, first_d = up(rows_np), up(cu_rows), up(np.asarray(firsts, dtype=np.int32))
         keys_d, cu_keys_d = up(np.concatenate(key_slots)), up(cu_keys)
@@ -338,9 +340,10 @@ class MetricsStream:
             triton_metrics.row_metrics_stream(
                 self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                 max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self._timing.append((start, end))
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._timing.append((start, end))
 
     def _poll_timing(self) -> None:
         """Device time of the flushes (CUDA events, read once they completed: never a sync)."""
