@@ -66,56 +66,31 @@ if triton is not None:
         sk = tl.zeros([BLOCK_M], tl.float32)
         vis = tl.zeros([BLOCK_M], tl.float32)
         ctx = tl.zeros([BLOCK_M], tl.float32)
-        row_lo = a + pid_m * BLOCK_M  # the block's first row
+        gen = tl.zeros([BLOCK_M], tl.float32)
         for kstart in range(0, hi, BLOCK_N):
             cols = kstart + tl.arange(0, BLOCK_N)
             scol = tl.load(KSL + kstart0 + cols, mask=cols < T, other=0)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
             kt = tl.load(K + kaddr[:, None] + kvh * sk_h + dd[None, :], mask=(cols < T)[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kt)) * scale
-            # A block wholly below the causal diagonal and inside the request needs no mask (most blocks).
-            if (kstart + BLOCK_N <= row_lo + 1) & (kstart + BLOCK_N <= T):
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = m_new  # finite: the block has keys for every row
-                d = s - m_safe[:, None]
-                e = tl.exp(d)
-            else:
-                valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & row_ok[:, None]
-                s = tl.where(valid, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                d = tl.where(valid, s - m_safe[:, None], 0.0)
-                e = tl.where(valid, tl.exp(d), 0.0)
+            valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & row_ok[:, None]
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - m_safe))
             shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)
-            rowsum = tl.sum(e, 1)
+            d = tl.where(valid, s - m_safe[:, None], 0.0)
+            e = tl.where(valid, tl.exp(d), 0.0)
             h1 = alpha * (h1 + shift * l_i) + tl.sum(e * d, 1)
-            l_i = l_i * alpha + rowsum
-            if kstart < KS:  # the sink tokens: only in the first block(s)
-                s0 = s0 * alpha + tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
-                sk = sk * alpha + tl.sum(tl.where(cols[None, :] < KS, e, 0.0), 1)
-            else:
-                s0 = s0 * alpha
-                sk = sk * alpha
-            if kstart + BLOCK_N <= N:  # context (prompt) keys only
-                ctx = ctx * alpha + rowsum
-            elif kstart < N:
-                ctx = ctx * alpha + tl.sum(tl.where(cols[None, :] < N, e, 0.0), 1)
-            else:
-                ctx = ctx * alpha
+            l_i = l_i * alpha + tl.sum(e, 1)
+            s0 = s0 * alpha + tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
+            sk = sk * alpha + tl.sum(tl.where(cols[None, :] < KS, e, 0.0), 1)
+            ctx = ctx * alpha + tl.sum(tl.where(cols[None, :] < N, e, 0.0), 1)
+            gen = gen * alpha + tl.sum(tl.where((cols[None, :] >= N) & (cols[None, :] < rows[:, None]), e, 0.0), 1)
             if HAS_VISION:
                 vm = tl.load(VM + kstart0 + cols, mask=cols < T, other=0.0)
                 vis = vis * alpha + tl.sum(e * vm[None, :], 1)
             m_i = m_new
-        # Generated keys before the row: all of its mass but the context's and its own key's (the diagonal,
-        # recomputed here relative to the final max).
-        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-        dslot = tl.load(KSL + kstart0 + rows, mask=row_ok, other=0)
-        kd = tl.load(K + ((dslot // BS) * sk_b + (dslot % BS) * sk_t)[:, None] + kvh * sk_h + dd[None, :],
-                     mask=row_ok[:, None], other=0.0)
-        s_diag = tl.sum(q.to(tl.float32) * kd.to(tl.float32), 1) * scale
-        gen = tl.maximum(l_i - ctx - tl.exp(s_diag - m_fin), 0.0)
-        gen = tl.where(rows > N, gen, 0.0)
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
         ent = tl.maximum(tl.log(tl.where(l_i > 0, l_i, 1.0)) - h1 * inv, 0.0)
         s0 = s0 * inv
