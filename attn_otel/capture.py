@@ -241,42 +241,47 @@ SUMMARY_CHUNK_BYTES = 256 << 20
 FINISH_CHUNK_BYTES = 512 << 20  # per-row metrics of a step's finished requests on the device, per launch
 
 
-def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequence[int]) -> torch.Tensor:
+def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequence[int],
+                     vision: bool = True) -> torch.Tensor:
     """:func:`attn_otel.metrics.summarize` + :func:`~attn_otel.metrics.summary_to_array` of several
     requests at once, in torch on ``per_row``'s device: ``per_row [L, 7, H, sum T]`` (request b's rows at
     ``cu[b]:cu[b+1]``, NaN where undefined) -> ``[B, part, metric, stat, L, H]`` float32.  The same
     statistics (mean over defined rows, and NumPy's "linear" quantiles of them), computed where the rows
-    are, so that only a few kB per request cross to the host and the writers."""
-    from .metrics import GENERATED_ONLY, PARTS, QUANTILES, SUMMARY_METRICS, SUMMARY_STATS
+    are, so that only a few kB per request cross to the host and the writers.  Each part sorts only its own
+    rows and the metrics it can have (no vision metrics unless ``vision``; lookback on generated rows)."""
+    from .metrics import GENERATED_ONLY, PARTS, QUANTILES, SUMMARY_METRICS, SUMMARY_STATS, VISION
 
     L, M, H, _ = per_row.shape
     dev = per_row.device
     B = len(cu) - 1
-    Ts = [int(cu[b + 1] - cu[b]) for b in range(B)]
     out = torch.full((B, len(PARTS), len(SUMMARY_METRICS), len(SUMMARY_STATS), L, H), float("nan"),
                      dtype=torch.float32, device=dev)
-    gen_only = [SUMMARY_METRICS.index(n) for n in GENERATED_ONLY]
-    b0 = 0
-    while b0 < B:  # chunks of requests, each padded to its longest
-        tmax = Ts[b0]
-        b1 = b0 + 1
-        while b1 < B and (b1 + 1 - b0) * max(tmax, Ts[b1]) * L * M * H * 4 <= SUMMARY_CHUNK_BYTES:
-            tmax = max(tmax, Ts[b1])
-            b1 += 1
-        n = b1 - b0
-        ar = torch.arange(tmax, device=dev)
-        start = torch.tensor([int(cu[b]) for b in range(b0, b1)], device=dev)
-        T = torch.tensor(Ts[b0:b1], device=dev)
-        N = torch.tensor([min(int(prompt_lens[b]), Ts[b]) for b in range(b0, b1)], device=dev)
-        idx = (start[:, None] + ar[None, :]).clamp(max=per_row.shape[-1] - 1)  # [n, tmax]
-        x = per_row[..., idx.reshape(-1)].reshape(L, M, H, n, tmax)
-        for pi, part in enumerate(PARTS):
-            lo_pos = torch.zeros_like(N) if part == "prompt" else N
-            hi_pos = N if part == "prompt" else T
-            mask = (ar[None, :] >= lo_pos[:, None]) & (ar[None, :] < hi_pos[:, None])  # [n, tmax]
-            v = torch.where(mask, x, torch.full((), float("nan"), device=dev))
-            if part == "prompt":
-                v[:, gen_only] = float("nan")
+    for pi, part in enumerate(PARTS):
+        names = [n for n in SUMMARY_METRICS if (vision or n not in VISION)
+                 and (part == "generated" or n not in GENERATED_ONLY)]
+        mi = torch.tensor([SUMMARY_METRICS.index(n) for n in names], device=dev)
+        src = per_row.index_select(1, mi)  # [L, m, H, sum T]
+        m = len(names)
+        starts, lens = [], []
+        for b in range(B):
+            T = int(cu[b + 1] - cu[b])
+            N = min(int(prompt_lens[b]), T)
+            starts.append(int(cu[b]) if part == "prompt" else int(cu[b]) + N)
+            lens.append(N if part == "prompt" else T - N)
+        b0 = 0
+        while b0 < B:  # chunks of requests, each padded to its longest part
+            tmax = max(lens[b0], 1)
+            b1 = b0 + 1
+            while b1 < B and (b1 + 1 - b0) * max(tmax, lens[b1]) * L * m * H * 4 <= SUMMARY_CHUNK_BYTES:
+                tmax = max(tmax, lens[b1])
+                b1 += 1
+            n = b1 - b0
+            ar = torch.arange(tmax, device=dev)
+            start = torch.tensor(starts[b0:b1], device=dev)
+            ln = torch.tensor(lens[b0:b1], device=dev)
+            idx = (start[:, None] + ar[None, :]).clamp(max=src.shape[-1] - 1)  # [n, tmax]
+            v = src[..., idx.reshape(-1)].reshape(L, m, H, n, tmax)
+            v = torch.where(ar[None, :] < ln[:, None], v, torch.full((), float("nan"), device=dev))
             defined = ~torch.isnan(v)
             count = defined.sum(-1)
             total = torch.where(defined, v, 0.0).sum(-1)
@@ -292,9 +297,9 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
                 bv = torch.gather(srt, -1, hi[..., None])[..., 0]
                 val = torch.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
                 stats.append(torch.where(count > 0, val, float("nan")))
-            # [L, M, H, n] per stat -> [n, M, stat, L, H]
-            out[b0:b1, pi] = torch.stack(stats, 0).permute(4, 2, 0, 1, 3)
-        b0 = b1
+            # [L, m, H, n] per stat -> [n, m, stat, L, H]
+            out[b0:b1, pi, mi] = torch.stack(stats, 0).permute(4, 2, 0, 1, 3)
+            b0 = b1
     return out
 
 
@@ -673,7 +678,7 @@ class CaptureEngine:
         # per request reach the host and the writers instead of [L, 7, H, T] rows (28 MB at 8B scale).
         summaries = None
         if self.config.row_metrics != "all":
-            dev_sum = device_summaries(out, cu.tolist(), prompt.tolist())
+            dev_sum = device_summaries(out, cu.tolist(), prompt.tolist(), vision=vision_any)
             summaries = torch.empty(dev_sum.shape, dtype=torch.float32, pin_memory=True)
             summaries.copy_(dev_sum, non_blocking=True)
             host = None

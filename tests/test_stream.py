@@ -240,7 +240,8 @@ def test_device_summaries_equal_numpy(device):
     rows[:, 4:6] = float("nan")  # no image: the vision metrics nowhere defined
     rows[:, 6, 1] = float("nan")  # a head with no lookback value
     cu = np.concatenate([[0], np.cumsum(Ts)]).tolist()
-    got = device_summaries(rows.to(device), cu, Ns).cpu().numpy()
+    got = device_summaries(rows.to(device), cu, Ns, vision=False).cpu().numpy()
+    np.testing.assert_array_equal(got, device_summaries(rows.to(device), cu, Ns, vision=True).cpu().numpy())
     for b, (T, N) in enumerate(zip(Ts, Ns)):
         r = rows[:, :, :, cu[b]:cu[b + 1]].numpy()
         per_row = {name: r[:, i] for i, name in enumerate(("entropy", "entropy_norm", "sink_mass_first",
@@ -249,6 +250,15 @@ def test_device_summaries_equal_numpy(device):
         want = summary_to_array(summarize(per_row, N), L, Hh)
         assert got[b].shape == want.shape
         np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"request {b}")
+    # one request with an image: its vision rows defined (on some rows), summarised when vision=True
+    rows[:, 4:6, :, cu[2]:cu[2] + 30] = torch.rand(L, 2, Hh, 30, generator=g)
+    got = device_summaries(rows.to(device), cu, Ns, vision=True).cpu().numpy()
+    r = rows[:, :, :, cu[2]:cu[3]].numpy()
+    names = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share", "vision_share_norm",
+             "lookback_ratio")
+    want = summary_to_array(summarize({n: r[:, i] for i, n in enumerate(names)}, Ns[2]), L, Hh)
+    assert not np.isnan(want[0, 4]).all()
+    np.testing.assert_allclose(got[2], want, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 def test_a_device_summarised_capture_is_stored_and_read_back(tmp_path):
