@@ -423,7 +423,9 @@ class CaptureEngine:
         tapped = [s for s in self.layers if s.index not in self.streamed]
         self.tap = QKTap(tapped, num_slots, dtype, device)
         # Layers a maps capture covers (the whole model's, under pipeline parallelism): the tapped ones.
-        self.map_layers = tuple(map_layers) if map_layers is not None else tuple(s.index for s in tapped)
+        if map_layers is None:  # no streamed layer: every captured layer (of every stage) has maps
+            map_layers = parallel.capture_layers if parallel is not None else [s.index for s in tapped]
+        self.map_layers = tuple(map_layers)
         self.device = torch.device(device)
         self.model = model
         self.engine_version = engine_version
