@@ -197,18 +197,13 @@ class Config:
         values: dict[str, object] = {}
         values["enabled"] = env.get(ATTN_OTEL, "0").strip().lower() in ("1", "true", "yes", "on")
         values["store"] = env.get(ATTN_OTEL_STORE, "").strip() or d.store
-        raw = env.get(ATTN_OTEL_LAYERS)
-        if raw is not None:
-            try:
-                values["layers"] = parse_layers(raw)
-            except ValueError as e:
-                _warn(ATTN_OTEL_LAYERS, raw, str(e), d.layers)
-        raw = env.get(ATTN_OTEL_MAP_LAYERS)
-        if raw is not None:
-            try:
-                values["map_layers"] = parse_layers(raw)
-            except ValueError as e:
-                _warn(ATTN_OTEL_MAP_LAYERS, raw, str(e), d.map_layers)
+        for field, name in (("layers", ATTN_OTEL_LAYERS), ("map_layers", ATTN_OTEL_MAP_LAYERS)):
+            raw = env.get(name)
+            if raw is not None:
+                try:
+                    values[field] = parse_layers(raw)
+                except ValueError as e:
+                    _warn(name, raw, str(e), getattr(d, field))
         values["stream_rows"] = _number(env, ATTN_OTEL_STREAM_ROWS, d.stream_rows, int, 0, 1 << 24)
         values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
         values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)

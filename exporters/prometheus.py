@@ -30,7 +30,7 @@ Metrics (label ``model`` is the served model name, ``layer`` the model's layer n
 ``attn_otel_export_errors_total{exporter}``, ``attn_otel_written_bytes_total``
     counters from the engine's :class:`attn_otel.capture.Stats`.
 ``attn_otel_tap_bytes``, ``attn_otel_queue_pending_bytes{queue="host"|"device"}``
-    gauges: device memory of the Q/K taps, and bytes waiting in the hand-offs (the latter only when the
+    gauges: device memory held by capture (taps, streamed layers), and bytes waiting in the hand-offs (only when the
     engine's stats file carries them).
 
 Degradation
@@ -366,8 +366,9 @@ class AttnOtelCollector:
         families.append(CounterMetricFamily(PREFIX + "written_bytes", "Bytes written to the store.",
                                             value=totals["bytes_written"], unit="bytes"))
         if gauges["tap"]:
-            families.append(GaugeMetricFamily(PREFIX + "tap_bytes", "Device memory held by the Q/K taps of live "
-                                              "engine processes.", value=gauges["tap"][""], unit="bytes"))
+            families.append(GaugeMetricFamily(PREFIX + "tap_bytes", "Device memory held by capture in live engine "
+                                              "processes (Q/K taps, streamed layers' query ring and "
+                                              "metrics buffer).", value=gauges["tap"][""], unit="bytes"))
         if gauges["queue"]:
             fam = GaugeMetricFamily(PREFIX + "queue_pending_bytes", "Bytes of captures waiting in the hand-offs "
                                     "(host: for the writer; device: for the compute thread).", labels=["queue"],

@@ -226,3 +226,18 @@ def test_auto_writers_are_shared_among_the_ranks_of_a_parallel_engine(monkeypatc
     assert writer_count(Config(), ranks=8) == 2  # 8 ranks on a 64-CPU host: 16 writers, not 32
     assert writer_count(Config(), ranks=32) == 1
     assert writer_count(Config(writers=3), ranks=8) == 3  # an explicit count is per rank, as given
+
+
+def test_map_layers_and_stream_rows():
+    from attn_otel.config import resolve_map_layers
+
+    c = Config.from_env({"ATTN_OTEL_MAP_LAYERS": "0,16", "ATTN_OTEL_STREAM_ROWS": "4096"})
+    assert c.map_layers == (0, 16) and c.stream_rows == 4096
+    assert Config.from_env({"ATTN_OTEL_MAP_LAYERS": "x"}).map_layers == "auto"  # a warning and the default
+    assert Config.from_env({"ATTN_OTEL_STREAM_ROWS": "-1"}).stream_rows == 0
+    # auto: every captured layer when at most 4 are captured, else 4 of them evenly spaced
+    assert resolve_map_layers("auto", (0, 10, 19, 29)) == (0, 10, 19, 29)
+    assert resolve_map_layers("auto", range(32)) == (0, 10, 21, 31)
+    assert resolve_map_layers("auto", (3, 5, 7, 9, 11, 13)) == (3, 7, 9, 13)
+    assert resolve_map_layers("all", (1, 2)) == (1, 2)
+    assert resolve_map_layers((0, 16, 40), range(32)) == (0, 16)  # only captured layers

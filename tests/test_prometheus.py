@@ -256,7 +256,8 @@ def test_engine_counters_and_gauges(tmp_path):
         "# HELP attn_otel_written_bytes_total Bytes written to the store.\n"
         "# TYPE attn_otel_written_bytes_total counter\n"
         "attn_otel_written_bytes_total 2000.0\n"
-        "# HELP attn_otel_tap_bytes Device memory held by the Q/K taps of live engine processes.\n"
+        "# HELP attn_otel_tap_bytes Device memory held by capture in live engine processes (Q/K taps, streamed "
+        "layers' query ring and metrics buffer).\n"
         "# TYPE attn_otel_tap_bytes gauge\n"
         "attn_otel_tap_bytes 4096.0\n"  # pid 12 is dead: its tap is gone, its counts stay
         "# HELP attn_otel_queue_pending_bytes Bytes of captures waiting in the hand-offs (host: for the writer; "
