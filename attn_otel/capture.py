@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -34,9 +34,7 @@ from .metrics import summary_only
 from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent,
                   traceparent_sampled)
 from .store import CapturePart, CaptureRecord
-
-if TYPE_CHECKING:
-    from .stream import MetricsStream
+from .stream import MetricsStream, slots_of
 
 logger = logging.getLogger("attn_otel")
 
@@ -79,8 +77,8 @@ class Parallel:
         if self.pp_rank not in stages:
             return None
         mine = tuple(x for x in layers if self.stage_of.get(x) == self.pp_rank and x in local)
-        return CapturePart(index=stages.index(self.pp_rank) * self.tp + self.tp_rank,
-                           count=len(stages) * self.tp, heads=(self.tp_rank * local_heads, (self.tp_rank + 1) * local_heads), layers=mine,
+        return CapturePart(index=stages.index(self.pp_rank) * self.tp + self.tp_rank, count=len(stages) * self.tp,
+                           heads=(self.tp_rank * local_heads, (self.tp_rank + 1) * local_heads), layers=mine,
                            tp=self.tp, pp=self.pp)
 
 
@@ -122,6 +120,16 @@ class QKTap:
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q[layer].index_select(0, slots), self.k[layer].index_select(0, slots)
+
+
+def capture_bytes_per_token(tapped: Sequence[LayerSpec], streamed: Sequence[LayerSpec], keys_from_cache: bool,
+                            dtype: torch.dtype) -> int:
+    """Device bytes per KV-cache token of capture: the Q/K tap of the map layers and what streamed layers
+    keep per token (see :meth:`attn_otel.stream.MetricsStream.bytes_per_token`); the ring comes on top."""
+    per = QKTap.bytes_per_token(tapped, dtype)
+    if streamed:
+        per += MetricsStream.bytes_per_token(streamed, keys_from_cache, dtype)
+    return per
 
 
 @dataclasses.dataclass
@@ -412,7 +420,7 @@ class CaptureEngine:
 
     def __init__(self, config: Config, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype,
                  device, model: str = "", engine_version: str = "", attrs: dict[str, Any] | None = None,
-                 parallel: Parallel | None = None, stream: "MetricsStream | None" = None,
+                 parallel: Parallel | None = None, stream: MetricsStream | None = None,
                  map_layers: Sequence[int] | None = None):
         self.config = config
         self.layers = list(layers)
@@ -464,12 +472,9 @@ class CaptureEngine:
 
     def bytes_per_token(self) -> int:
         """Device bytes per KV-cache token (the stream's fixed-size ring not included)."""
-        tapped = [s for s in self.layers if s.index not in self.streamed]
-        per = QKTap.bytes_per_token(tapped, self.tap.dtype) if tapped else 0
-        if self.stream is not None:
-            st = self.stream
-            per += st.bytes_per_token(st.layers, not st.k_tap, self.tap.dtype)
-        return per
+        st = self.stream
+        return capture_bytes_per_token(list(self.tap.layers.values()), st.layers if st else [],
+                                       st is not None and not st.k_tap, self.tap.dtype)
 
     # ----------------------------------------------------------------- engine-loop side (no I/O here)
     def warn_once(self, key: str, msg: str, *args: Any, exc: bool = False) -> None:
@@ -597,8 +602,10 @@ class CaptureEngine:
     def _metrics_from_tap(self, batch: list[tuple[FinishedRequest, dict[str, Any]]]) -> None:
         """Engine loop, GPU, metrics only: for each captured layer one kernel launch on the engine's stream
         reads all of the step's finished requests' Q/K rows from the tap by slot index (enqueued before the
-        next step can reuse their blocks, so stream order keeps it exact), then one copy of the small
-        ``[L, 7, H, sum T]`` result to pinned host memory.  No gather, no host sync."""
+        next step can reuse their blocks, so stream order keeps it exact); streamed layers' rows are one
+        gather by slot.  Then one copy to pinned host memory of each request's summary (computed here, see
+        :func:`device_summaries`) or, with ``ATTN_OTEL_ROW_METRICS=all``, of the ``[L, 7, H, sum T]`` rows.
+        Requests go in chunks of at most FINISH_CHUNK_BYTES of rows.  No host sync."""
         chunks = [batch]
         if self.config.row_metrics != "all":
             # Rows summarised here: the [L, 7, H, sum T] rows are transient; bound them per launch.
@@ -725,10 +732,7 @@ class CaptureEngine:
         return t
 
     def _slots_np(self, req: FinishedRequest, group: int, T: int) -> np.ndarray:
-        bs = int(req.block_sizes[group])
-        blocks = np.asarray(req.block_ids[group], dtype=np.int64)
-        pos = np.arange(T, dtype=np.int64)
-        return blocks[pos // bs] * bs + pos % bs
+        return slots_of(req.block_ids[group], int(req.block_sizes[group]), 0, T)
 
     def _record(self, req, layers, T, want_maps, trace_id, parent, wanted: Sequence[int] = (),
                 sampled: bool = True) -> tuple[CaptureRecord, torch.Tensor | None]:

@@ -47,10 +47,9 @@ DEFAULT_ROWS = 8192
 class _Live:
     """A request whose rows have gone through the model while streaming."""
 
-    idx: int  # owner id in the host tables
+    idx: int  # owner id in the host tables (each pending row's position is in MetricsStream._row_pos)
     tracked: Any  # the tracker's record: ``block_ids`` (per KV-cache group), ``prompt_token_ids``, ``vision_positions``
-    first: int = 0  # position of the first pending row
-    count: int = 0  # pending rows (positions first .. first + count - 1)
+    count: int = 0  # pending rows
     next: int = 0  # the position its next row should have
     shared: bool = False  # some of its positions were computed by another request (a prefix-cache hit)
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
@@ -98,7 +97,6 @@ class MetricsStream:
                 tap = torch.zeros((S + 1, Hkv, D), dtype=dtype, device=device)
                 self.k_tap[s.index] = tap
                 self.keys[s.index] = tap[:, None]
-        self._key_block = {i: int(k.shape[1]) for i, k in self.keys.items()}
         self._fused = triton_metrics.available(self.device)
         # host side: a stack of free ring rows; per ring row its owner (-1: free), position and slot; per
         # slot the owner of its pending row (-1: none)
@@ -120,6 +118,8 @@ class MetricsStream:
     # ------------------------------------------------------------------ sizes
     @staticmethod
     def bytes_per_token(layers: Sequence[Any], keys_from_cache: bool, dtype: torch.dtype) -> int:
+        """Per KV-cache token: the metrics buffer, the slot table entry, and the K tap when keys are not
+        read from vLLM's cache."""
         size = torch.empty((), dtype=dtype).element_size()
         per = sum(len(METRICS) * s.num_heads * 2 for s in layers) + 8
         if not keys_from_cache:
@@ -203,8 +203,6 @@ class MetricsStream:
                 slot_l.extend(slots_of(blocks, bs, start, n).tolist())
                 pos_l.extend(range(start, start + n))
                 own_l.extend([live.idx] * n)
-            if not live.count:
-                live.first = start
             live.count += n
             live.next = start + n
         rows = self._free[self._nfree - total:self._nfree].copy()
@@ -363,12 +361,12 @@ class MetricsStream:
             if vm_parts is not None and vm_parts[b].any():
                 vm = torch.from_numpy(vm_parts[b]).to(self.device)
             out_slots = ks[a:end]
+            q = torch.zeros((end,) + tuple(self.q.shape[2:]), dtype=self.q.dtype, device=self.device)
             for spec in self.layers:
                 li = self.pos[spec.index]
                 kc = self.keys[spec.index]
                 k = kc[ks // kc.shape[1], ks % kc.shape[1]]
-                q = torch.zeros((end,) + tuple(self.q.shape[2:]), dtype=self.q.dtype, device=self.device)
-                q[a:end] = self.q[li].index_select(0, rows)
+                q[a:end] = self.q[li].index_select(0, rows)  # rows before a are never read
                 res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a)
                 self.metrics[li].index_copy_(0, out_slots, res[:, :, a:end].permute(2, 0, 1).to(torch.float16))
 

@@ -327,9 +327,8 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
     """Give the tap its share of the KV budget: KV tokens shrink by kv/(kv + tap) per token."""
     available = orig(worker, *args, **kwargs)
     try:
-        from .capture import QKTap
+        from .capture import capture_bytes_per_token
         from .config import Config
-
         from .stream import MetricsStream
 
         runner = worker.model_runner
@@ -343,11 +342,8 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
         dtype = _model_dtype(runner)
         _, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs))
         tapped = [s for s in specs if s not in streamed]
-        tap = QKTap.bytes_per_token(tapped, dtype)
-        ring = 0
-        if streamed:
-            tap += MetricsStream.bytes_per_token(streamed, from_cache, dtype)
-            ring = MetricsStream.ring_bytes(streamed, rows, dtype)
+        tap = capture_bytes_per_token(tapped, streamed, from_cache, dtype)
+        ring = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
         scaled = int(max(0, available - ring) * kv_per_token / (kv_per_token + tap))
         logger.info("attn-otel: capture takes %d B per token beside %d B of KV cache (%d map layers, %d streamed "
                     "with a %d-row query ring of %.2f GiB); KV budget %.2f -> %.2f GiB", tap, int(kv_per_token),
