@@ -25,16 +25,11 @@ SCRIPT = r'''
 import json, os, sys
 import numpy as np
 from vllm import LLM, SamplingParams
-from vllm.v1.core.sched import scheduler as sched
 from attn_otel import vllm_adapter
 from attn_otel.ids import new_span_id, new_trace_id
+from preemptions import count_preemptions
 
-preempted = []
-orig = sched.Scheduler._preempt_request
-def counting(self, request, *a, **k):
-    preempted.append(request.request_id)
-    return orig(self, request, *a, **k)
-sched.Scheduler._preempt_request = counting
+preempted = count_preemptions()
 
 model = sys.argv[1]
 llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
@@ -76,7 +71,7 @@ def streamed_run(smollm2_path, tmp_path_factory):
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(d / "store"), "ATTN_OTEL_LAYERS": "all",
            "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_STREAM_ROWS": "64", "ATTN_OTEL_MAPS_SAMPLE": "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "RESULT": str(d / "result.json"),
-           "PYTHONPATH": str(Path(__file__).parent.parent)}
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
     for name in ("ATTN_OTEL_MAP_LAYERS", "ATTN_OTEL_STATS_DIR"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-c", SCRIPT, smollm2_path], env=env, capture_output=True, text=True,

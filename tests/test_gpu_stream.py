@@ -29,17 +29,10 @@ def stream_engine(gpu_model, tmp_path_factory):  # noqa: F811
                        "ATTN_OTEL_MAP_LAYERS": "0", "ATTN_OTEL_STREAM_ROWS": "256", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": os.environ.get("ATTN_OTEL_GPU_ROWS", "maps"),
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    from preemptions import count_preemptions
     from vllm import LLM
-    from vllm.v1.core.sched import scheduler as sched
 
-    preempted = []
-    orig = sched.Scheduler._preempt_request
-
-    def counting(self, request, *a, **k):
-        preempted.append(request.request_id)
-        return orig(self, request, *a, **k)
-
-    sched.Scheduler._preempt_request = counting
+    preempted = count_preemptions()
     llm = LLM(model=gpu_model, skip_tokenizer_init=True, max_model_len=1024, max_num_batched_tokens=256,
               gpu_memory_utilization=0.3, num_gpu_blocks_override=96, seed=0)
     return llm, store, preempted
