@@ -112,9 +112,13 @@ class QKTap:
 
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
+        qc, kc = self.q[layer], self.k[layer]
+        # One Triton launch per tensor on a GPU (torch's index_copy_ is a generic, slower gather-scatter).
+        if triton_metrics.scatter_rows(qc, query, slot_mapping, self.num_slots) and \
+                triton_metrics.scatter_rows(kc, key, slot_mapping, self.num_slots):
+            return
         slots = slot_mapping.to(torch.long)
         slots = torch.where(slots < 0, self.num_slots, slots)
-        qc, kc = self.q[layer], self.k[layer]
         qc.index_copy_(0, slots, query[:n].reshape(n, qc.shape[1], qc.shape[2]).to(qc.dtype))
         kc.index_copy_(0, slots, key[:n].reshape(n, kc.shape[1], kc.shape[2]).to(kc.dtype))
 
@@ -253,7 +257,8 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
                      vision: bool = True) -> torch.Tensor:
     """:func:`attn_otel.metrics.summarize` + :func:`~attn_otel.metrics.summary_to_array` of several
     requests at once, in torch on ``per_row``'s device: ``per_row [L, 7, H, sum T]`` (request b's rows at
-    ``cu[b]:cu[b+1]``, NaN where undefined) -> ``[B, part, metric, stat, L, H]`` float32.  The same
+    ``cu[b]:cu[b+1]``, NaN where undefined; float32, or float16 as the streamed layers keep them: sorted
+    as they are, summed in float32) -> ``[B, part, metric, stat, L, H]`` float32.  The same
     statistics (mean over defined rows, and NumPy's "linear" quantiles of them), computed where the rows
     are, so that only a few kB per request cross to the host and the writers.  Each part sorts only its own
     rows and the metrics it can have (no vision metrics unless ``vision``; lookback on generated rows)."""
@@ -262,12 +267,17 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
     L, M, H, _ = per_row.shape
     dev = per_row.device
     B = len(cu) - 1
+
+    def up(values) -> torch.Tensor:  # to the device with no sync (a blocking copy would drain the engine's queue)
+        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
+        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
     out = torch.full((B, len(PARTS), len(SUMMARY_METRICS), len(SUMMARY_STATS), L, H), float("nan"),
                      dtype=torch.float32, device=dev)
     for pi, part in enumerate(PARTS):
         names = [n for n in SUMMARY_METRICS if (vision or n not in VISION)
                  and (part == "generated" or n not in GENERATED_ONLY)]
-        mi = torch.tensor([SUMMARY_METRICS.index(n) for n in names], device=dev)
+        mi = up([SUMMARY_METRICS.index(n) for n in names])
         src = per_row.index_select(1, mi)  # [L, m, H, sum T]
         m = len(names)
         starts, lens = [], []
@@ -285,14 +295,14 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
                 b1 += 1
             n = b1 - b0
             ar = torch.arange(tmax, device=dev)
-            start = torch.tensor(starts[b0:b1], device=dev)
-            ln = torch.tensor(lens[b0:b1], device=dev)
+            start = up(starts[b0:b1])
+            ln = up(lens[b0:b1])
             idx = (start[:, None] + ar[None, :]).clamp(max=src.shape[-1] - 1)  # [n, tmax]
             v = src[..., idx.reshape(-1)].reshape(L, m, H, n, tmax)
             v = torch.where(ar[None, :] < ln[:, None], v, torch.full((), float("nan"), device=dev))
             defined = ~torch.isnan(v)
             count = defined.sum(-1)
-            total = torch.where(defined, v, 0.0).sum(-1)
+            total = torch.where(defined, v, 0.0).sum(-1, dtype=torch.float32)
             stats = [torch.where(count > 0, total / count.clamp(min=1), float("nan"))]
             srt = torch.sort(v, dim=-1).values  # NaN sorts last
             last = (count - 1).clamp(min=0)
@@ -303,6 +313,7 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
                 t = (pos - lo).float()
                 a = torch.gather(srt, -1, lo[..., None])[..., 0]
                 bv = torch.gather(srt, -1, hi[..., None])[..., 0]
+                a, bv = a.float(), bv.float()
                 val = torch.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
                 stats.append(torch.where(count > 0, val, float("nan")))
             # [L, m, H, n] per stat -> [n, m, stat, L, H]
@@ -666,32 +677,51 @@ class CaptureEngine:
         cu_dev, prompt_dev = up(cu), up(prompt)
         slots_dev = {g: up(np.concatenate(parts)) for g, parts in slots_host.items()}
         vision_dev = up(vision_host) if vision_any else None
-        out = torch.full((len(layers), len(METRICS), H, total), float("nan"), dtype=torch.float32, device=dev)
-        streamed = []
-        for li, spec in enumerate(layers):
+        summarise = self.config.row_metrics != "all"
+        tapped = [li for li, spec in enumerate(layers) if spec.index not in self.streamed]
+        streamed = [li for li, spec in enumerate(layers) if spec.index in self.streamed]
+        # Rows of the tapped layers, computed now; with rows summarised here only those layers are in ``out``
+        # (the streamed layers' float16 rows are summarised where they are, in float16).
+        out_layers = tapped if summarise else list(range(len(layers)))
+        out = torch.full((len(out_layers), len(METRICS), H, total), float("nan"), dtype=torch.float32, device=dev)
+        for oi, li in enumerate(out_layers):
+            spec = layers[li]
             if spec.index in self.streamed:
-                streamed.append(li)
                 continue
             triton_metrics.row_metrics_slots(
                 self.tap.q[spec.index], self.tap.k[spec.index], slots_dev[spec.group], cu_dev, prompt_dev,
-                max(Ts), spec.scale, self.config.sink_tokens, vision_dev, out=out[li, :, : spec.num_heads])
+                max(Ts), spec.scale, self.config.sink_tokens, vision_dev, out=out[oi, :, : spec.num_heads])
+        got = None
         if streamed:  # computed while the requests ran: one gather by slot for every streamed layer
             st = self.stream
-            got = st.gather(slots_dev[st.group])  # [streamed layers, total, 7, H]
+            got = st.gather(slots_dev[st.group])  # [streamed layers, total, 7, H] float16
             order = [st.pos[layers[li].index] for li in streamed]
             if order != list(range(len(order))):
-                got = got[order]
-            idx = torch.tensor(streamed, dtype=torch.long).to(dev, non_blocking=True)
-            out[:, :, : got.shape[3]].index_copy_(0, idx, got.permute(0, 2, 3, 1).float())
+                got = got.index_select(0, up(np.asarray(order, dtype=np.int64)))
+            got = got.permute(0, 2, 3, 1)  # [streamed layers, 7, H, total]
         # Rows stored for no capture here (ATTN_OTEL_ROW_METRICS=maps): summarise on the device, so a few kB
         # per request reach the host and the writers instead of [L, 7, H, T] rows (28 MB at 8B scale).
         summaries = None
-        if self.config.row_metrics != "all":
-            dev_sum = device_summaries(out, cu.tolist(), prompt.tolist(), vision=vision_any)
+        if summarise:
+            cu_l, prompt_l = cu.tolist(), prompt.tolist()
+            parts = []
+            if tapped:
+                parts.append((tapped, device_summaries(out, cu_l, prompt_l, vision=vision_any)))
+            if got is not None:
+                parts.append((streamed, device_summaries(got, cu_l, prompt_l, vision=vision_any)))
+            dev_sum = parts[0][1]
+            if len(parts) > 1 or parts[0][0] != list(range(len(layers))):
+                dev_sum = torch.full(dev_sum.shape[:4] + (len(layers), H), float("nan"), dtype=torch.float32,
+                                     device=dev)
+                for lis, part in parts:  # the layer index uploaded with no sync, as every index here
+                    dev_sum[..., : part.shape[-1]].index_copy_(4, up(np.asarray(lis, dtype=np.int64)), part)
             summaries = torch.empty(dev_sum.shape, dtype=torch.float32, pin_memory=True)
             summaries.copy_(dev_sum, non_blocking=True)
             host = None
         else:
+            if got is not None:
+                idx = up(np.asarray(streamed, dtype=np.int64))
+                out[:, :, : got.shape[2]].index_copy_(0, idx, got.float())
             host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(out, non_blocking=True)
         tok_host = {}

@@ -142,10 +142,13 @@ class MetricsStream:
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         n = slot_mapping.shape[0]
         qr = self.q[self.pos[layer]]
-        # Two kernels: padded tokens (slot -1) index the table's last entry, the ring's padding row.
-        qr.index_copy_(0, self.ring_of_slot[slot_mapping], query[:n].reshape(n, qr.shape[1], qr.shape[2]).to(qr.dtype))
+        # Padded tokens (slot -1) index the table's last entry, the ring's padding row.  One Triton launch on
+        # a GPU, else a lookup and a copy.
+        if not triton_metrics.scatter_rows(qr, query, slot_mapping, self.num_slots, table=self.ring_of_slot):
+            qr.index_copy_(0, self.ring_of_slot[slot_mapping],
+                           query[:n].reshape(n, qr.shape[1], qr.shape[2]).to(qr.dtype))
         tap = self.k_tap.get(layer)
-        if tap is not None:
+        if tap is not None and not triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots):
             slots = slot_mapping.to(torch.long)
             slots = torch.where(slots < 0, self.num_slots, slots)
             tap.index_copy_(0, slots, key[:n].reshape(n, tap.shape[1], tap.shape[2]).to(tap.dtype))

@@ -29,36 +29,109 @@ def available(device: torch.device) -> bool:
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["KS", "BS"])
-    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KS, scale, BS,
+    @triton.jit
+    def _tile(q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
+              m_i, l_i, h1, s0, sk, vis, ctx, gen,
+              HAS_VISION: tl.constexpr, MASKED: tl.constexpr, CTX: tl.constexpr, SINK: tl.constexpr,
+              D: tl.constexpr, BLOCK_N: tl.constexpr):
+        # One tile of BLOCK_N keys against the program's rows, folded into the online sums (base 2: s is the
+        # logit times log2(e), every sum is relative to the running max m_i and rescaled when it grows).
+        # MASKED: the tile may hold keys after a row (causal) or past T; else every key is <= every row.
+        # CTX: 0 every key is at or after the prompt (generated), 1 every key is in the prompt, 2 either.
+        # SINK: the tile may hold the first KS keys.
+        cols = kstart + tl.arange(0, BLOCK_N)
+        dd = tl.arange(0, D)
+        if MASKED:
+            scol = tl.load(KSL + kstart0 + cols, mask=cols < T, other=0)
+            kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
+            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=(cols < T)[:, None], other=0.0)
+        else:
+            scol = tl.load(KSL + kstart0 + cols)
+            kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
+            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :])
+        s = tl.dot(q, tl.trans(kt)) * c
+        if MASKED:
+            valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T)
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_safe))
+            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)
+            d = tl.where(valid, s - m_safe[:, None], 0.0)
+            e = tl.where(valid, tl.exp2(d), 0.0)
+        else:  # a tile after the first: every row's max is finite already
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            shift = m_i - m_new
+            d = s - m_new[:, None]
+            e = tl.exp2(d)
+        tile_l = tl.sum(e, 1)
+        h1 = alpha * (h1 + shift * l_i) + tl.sum(e * d, 1)
+        l_i = l_i * alpha + tile_l
+        if SINK:
+            s0 = s0 * alpha + tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
+            sk = sk * alpha + tl.sum(tl.where(cols[None, :] < KS, e, 0.0), 1)
+        else:
+            s0 = s0 * alpha
+            sk = sk * alpha
+        if CTX == 1:
+            ctx = ctx * alpha + tile_l
+            gen = gen * alpha
+        elif CTX == 0 and not MASKED:
+            ctx = ctx * alpha
+            gen = gen * alpha + tile_l
+        else:
+            tile_ctx = tl.sum(tl.where(cols[None, :] < N, e, 0.0), 1)
+            ctx = ctx * alpha + tile_ctx
+            if MASKED:  # generated keys before the row itself
+                gen = gen * alpha + tl.sum(tl.where((cols[None, :] >= N) & (cols[None, :] < rows[:, None]), e, 0.0), 1)
+            else:  # every key is before every row
+                gen = gen * alpha + (tile_l - tile_ctx)
+        if HAS_VISION:
+            vm = tl.load(VM + kstart0 + cols, mask=cols < T, other=0.0)
+            vis = vis * alpha + tl.sum(e * vm[None, :], 1)
+        return m_new, l_i, h1, s0, sk, vis, ctx, gen
+
+    @triton.jit(do_not_specialize=["KS", "BS", "HEADS", "GROUP"])
+    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KS, scale, BS, HEADS, GROUP,
                      sq_t, sq_h, sk_b, sk_t, sk_h, so_r, so_m, so_h,
-                     HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, GROUP: tl.constexpr,
-                     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, HG: tl.constexpr,
+                     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         # Request b: its query rows are positions A[b] .. A[b] + n - 1 (n = CUQ[b+1] - CUQ[b]), read from Q
-        # at rows QR[CUQ[b] + i]; its keys are positions 0 .. e - 1 (e = CUK[b+1] - CUK[b] = A[b] + n), read
+        # at rows QR[CUQ[b] + i]; its keys are positions 0 .. T - 1 (T = CUK[b+1] - CUK[b] = A[b] + n), read
         # at slots KSL[CUK[b] + j] of a paged K (block KSL // BS, offset KSL % BS; a tap is BS = 1).
+        # A program takes BLOCK_R consecutive rows of HEADS query heads that share one KV head (HG >= HEADS,
+        # a power of two; padded heads are masked): BLOCK_M = HG * BLOCK_R rows against each K tile, loaded
+        # once for all of them (GQA).
         pid_m = tl.program_id(0)
-        h = tl.program_id(1)
+        h0 = tl.program_id(1) * HEADS
         b = tl.program_id(2)
         qstart = tl.load(CUQ + b)
         n = tl.load(CUQ + b + 1) - qstart
-        if pid_m * BLOCK_M >= n:
+        if pid_m * BLOCK_R >= n:
             return
         kstart0 = tl.load(CUK + b)
         T = tl.load(CUK + b + 1) - kstart0
         a = tl.load(A + b)
         N = tl.load(NP + b)
-        kvh = h // GROUP
-        local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = local < n
+        kvh = h0 // GROUP
+        BLOCK_M: tl.constexpr = HG * BLOCK_R
+        i = tl.arange(0, BLOCK_M)
+        hh = h0 + i // BLOCK_R
+        local = pid_m * BLOCK_R + i % BLOCK_R
+        row_ok = (local < n) & (i // BLOCK_R < HEADS)
         rows = a + local
         dd = tl.arange(0, D)
         qrow = tl.load(QR + qstart + local, mask=row_ok, other=0)
-        q = tl.load(Q + qrow[:, None] * sq_t + h * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
-        hi = tl.minimum(a + (pid_m + 1) * BLOCK_M, T)
-        # One pass, online (as FlashAttention keeps its softmax): every sum is kept relative to the running
-        # max m and rescaled by exp(m_old - m_new) when m grows.  h1 = sum e^(s-m) (s-m), so the entropy is
-        # log l - h1 / l.
+        q = tl.load(Q + qrow[:, None] * sq_t + hh[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
+        c = scale * 1.4426950408889634  # logits in base 2
+        r0 = a + pid_m * BLOCK_R  # the block's first row
+        hi = tl.minimum(r0 + BLOCK_R, T)  # keys needed: up to the block's last row
+        P = tl.cdiv(KS, BLOCK_N) * BLOCK_N  # tiles holding sink keys: masked, with the sink sums
+        lo = tl.maximum((r0 + 1) // BLOCK_N * BLOCK_N, P)  # [P, lo): keys at or before every row
+        nf = tl.minimum(tl.maximum(N // BLOCK_N * BLOCK_N, P), lo)  # [P, nf): prompt keys only
+        nc = tl.minimum(tl.maximum(tl.cdiv(N, BLOCK_N) * BLOCK_N, nf), lo)  # [nf, nc): the prompt's end
+        koff = kvh * sk_h
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         h1 = tl.zeros([BLOCK_M], tl.float32)
@@ -67,36 +140,36 @@ if triton is not None:
         vis = tl.zeros([BLOCK_M], tl.float32)
         ctx = tl.zeros([BLOCK_M], tl.float32)
         gen = tl.zeros([BLOCK_M], tl.float32)
-        for kstart in range(0, hi, BLOCK_N):
-            cols = kstart + tl.arange(0, BLOCK_N)
-            scol = tl.load(KSL + kstart0 + cols, mask=cols < T, other=0)
-            kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
-            kt = tl.load(K + kaddr[:, None] + kvh * sk_h + dd[None, :], mask=(cols < T)[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kt)) * scale
-            valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & row_ok[:, None]
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp(m_i - m_safe))
-            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)
-            d = tl.where(valid, s - m_safe[:, None], 0.0)
-            e = tl.where(valid, tl.exp(d), 0.0)
-            h1 = alpha * (h1 + shift * l_i) + tl.sum(e * d, 1)
-            l_i = l_i * alpha + tl.sum(e, 1)
-            s0 = s0 * alpha + tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
-            sk = sk * alpha + tl.sum(tl.where(cols[None, :] < KS, e, 0.0), 1)
-            ctx = ctx * alpha + tl.sum(tl.where(cols[None, :] < N, e, 0.0), 1)
-            gen = gen * alpha + tl.sum(tl.where((cols[None, :] >= N) & (cols[None, :] < rows[:, None]), e, 0.0), 1)
-            if HAS_VISION:
-                vm = tl.load(VM + kstart0 + cols, mask=cols < T, other=0.0)
-                vis = vis * alpha + tl.sum(e * vm[None, :], 1)
-            m_i = m_new
+        # Loops with no branch inside (a branch per tile costs the loop its software pipelining): the sink
+        # tiles and the diagonal tiles are masked; the tiles in between are not, and only the one holding the
+        # prompt's end sorts keys into prompt and generated.
+        for kstart in range(0, tl.minimum(P, hi), BLOCK_N):
+            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, True, 2, True, D, BLOCK_N)
+        for kstart in range(P, nf, BLOCK_N):
+            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, False, 1, False, D, BLOCK_N)
+        for kstart in range(nf, nc, BLOCK_N):
+            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, False, 2, False, D, BLOCK_N)
+        for kstart in range(nc, lo, BLOCK_N):
+            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, False, 0, False, D, BLOCK_N)
+        for kstart in range(lo, hi, BLOCK_N):
+            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, True, 2, False, D, BLOCK_N)
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        ent = tl.maximum(tl.log(tl.where(l_i > 0, l_i, 1.0)) - h1 * inv, 0.0)
+        # entropy in nats: ln l - ln2 * sum e (s - m) / l, the sums in base 2
+        ent = tl.maximum(tl.log(tl.where(l_i > 0, l_i, 1.0)) - 0.6931471805599453 * h1 * inv, 0.0)
         s0 = s0 * inv
         sk = sk * inv
         ctx = ctx * inv
-        gen = gen * inv
+        gen = tl.maximum(gen, 0.0) * inv
         vis = vis * inv
         nan = float("nan")
         rf = rows.to(tl.float32)
@@ -104,7 +177,7 @@ if triton is not None:
             orow = tl.load(KSL + kstart0 + rows, mask=row_ok, other=0)
         else:
             orow = qstart + local
-        base = OUT + h * so_h + orow * so_r
+        base = OUT + hh * so_h + orow * so_r
         ty = OUT.dtype.element_ty
         tl.store(base + 0 * so_m, ent.to(ty), mask=row_ok)
         tl.store(base + 1 * so_m, tl.where(rows > 0, ent / tl.log(tl.maximum(rf + 1.0, 2.0)), nan).to(ty),
@@ -119,12 +192,57 @@ if triton is not None:
         else:
             tl.store(base + 4 * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
             tl.store(base + 5 * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
-        nf = N * 1.0
-        ctxm = ctx / tl.maximum(nf, 1.0)
-        genm = gen / tl.maximum(rf - nf, 1.0)
+        nf32 = N * 1.0
+        ctxm = ctx / tl.maximum(nf32, 1.0)
+        genm = gen / tl.maximum(rf - nf32, 1.0)
         tot = ctxm + genm
         lb_ok = (rows > N) & (N > 0) & (tot > 0)
         tl.store(base + 6 * so_m, tl.where(lb_ok, ctxm / tl.where(tot > 0, tot, 1.0), nan).to(ty), mask=row_ok)
+
+
+    @triton.jit
+    def _scatter_rows(SRC, DST, IDX, TABLE, src_stride, dst_stride, pad,
+                      C: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr):
+        # Token t's row of C values goes to row IDX[t] of DST (IDX[t] < 0: row ``pad``), or, with a table,
+        # to row TABLE[IDX[t]] (IDX[t] < 0: TABLE[pad]).
+        t = tl.program_id(0)
+        row = tl.load(IDX + t).to(tl.int64)
+        row = tl.where(row < 0, pad, row)
+        if HAS_TABLE:
+            row = tl.load(TABLE + row).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < C
+        v = tl.load(SRC + t.to(tl.int64) * src_stride + cols, mask=ok)
+        tl.store(DST + row * dst_stride + cols, v.to(DST.dtype.element_ty), mask=ok)
+
+
+def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad: int,
+                 table: torch.Tensor | None = None) -> bool:
+    """``dst[index[t]] = src[t]`` for the ``len(index)`` first rows of ``src`` (``index[t] < 0``: row
+    ``pad``), or ``dst[table[index[t]]]`` with a table (``index[t] < 0``: ``table[pad]``), one launch,
+    graph-safe (the forward's Q/K writes: torch's index_copy_ is a generic gather-scatter several times
+    slower).  ``dst`` and ``src`` are row-major past their first dimension.  False (nothing done) where the
+    kernel does not apply: no Triton, not CUDA, or rows that are not contiguous."""
+    if not available(dst.device) or src.device != dst.device:
+        return False
+    n = index.shape[0]
+    C = dst[0].numel()
+    if n == 0 or src.shape[0] < n or src[0].numel() != C or not _rows_contiguous(dst) or not _rows_contiguous(src):
+        return False
+    tab = table if table is not None else index
+    _scatter_rows[(n,)](src, dst, index, tab, src.stride(0), dst.stride(0), int(pad), C=C,
+                        HAS_TABLE=table is not None, BLOCK=triton.next_power_of_2(C), num_warps=4)
+    return True
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Each row ``t[i]`` is one contiguous run of memory."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def row_metrics_slots(q_tap: torch.Tensor, k_tap: torch.Tensor, slots: torch.Tensor, cu_tokens: torch.Tensor,
@@ -176,6 +294,31 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     return out
 
 
+def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
+    """(heads, padded): a program takes ``heads`` query heads of one KV head, ``padded`` (a power of two,
+    at most 8 unless the group is one head) rows of heads in its tile."""
+    group = hq // hkv
+    if group <= 8:
+        return group, triton.next_power_of_2(group)
+    heads = 8
+    while group % heads:
+        heads //= 2
+    return heads, heads
+
+
+# Launch configuration: query rows per program (heads x rows), keys per tile, warps, pipeline stages.  The
+# defaults are the fastest of bench/flush_kernel.py's sweep on an H100 (docs/benchmarks/stream/); settable
+# there for the sweep.
+CONFIG: dict[str, int] = {}
+
+
+def _config(hg: int, d: int) -> tuple[int, int, int, int]:
+    block_m = int(CONFIG.get("block_m", 64))
+    block_r = max(16, block_m // hg)
+    return (block_r, int(CONFIG.get("block_n", 128 if d <= 128 else 64)), int(CONFIG.get("num_warps", 4)),
+            int(CONFIG.get("num_stages", 2)))
+
+
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
             out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens) -> None:
     hq, d = q.shape[1], q.shape[2]
@@ -184,14 +327,15 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
     has_vision = vision_mask is not None
     vm = vision_mask if has_vision else out  # unused pointers
     vc = vision_count if has_vision else out
-    block_m = 64 if d <= 128 else 32
-    grid = (triton.cdiv(max(int(max_rows), 1), block_m), hq, B)
+    heads, hg = _heads_per_program(hq, hkv)
+    block_r, block_n, warps, stages = _config(hg, d)
+    grid = (triton.cdiv(max(int(max_rows), 1), block_r), hq // heads, B)
     _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out,
-                       int(sink_tokens), float(scale), int(key_cache.shape[1]),
+                       int(sink_tokens), float(scale), int(key_cache.shape[1]), heads, hq // hkv,
                        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                        so_r, so_m, so_h,
-                       HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, GROUP=hq // hkv, D=d, BLOCK_M=block_m,
-                       BLOCK_N=64, num_warps=4, num_stages=2)
+                       HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, HG=hg, D=d, BLOCK_R=block_r,
+                       BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
 def row_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int, sink_tokens: int = 4,

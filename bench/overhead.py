@@ -156,10 +156,72 @@ def profile_phase(phase: str, out: Path, workload: str) -> None:
         res = _run_workload(llm, workload, 0.0, seed=1)
     ka = prof.key_averages()
     text = (f"# {phase} {workload}: {res['output_tokens_per_s']:.0f} tok/s under the profiler\n\n"
+            + _gaps(prof) +
             "## by device time\n" + ka.table(sort_by="self_cuda_time_total", row_limit=45) +
             "\n## by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=45))
     (out / f"profile-{phase}.txt").write_text(text)
     print(text[:6000], flush=True)
+
+
+def engine_profile(phase: str, out: Path, workload: str) -> None:
+    """One warm workload run of ``phase`` with vLLM's own torch profiler in the engine core process (the
+    multiprocess engine, as measured): its trace and table go to DIR/vllm-profile-PHASE/, and where the GPU
+    waits (bench/trace_gaps.py) to DIR/vllm-profile-PHASE.txt."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import trace_gaps
+
+    prof_dir = out / f"vllm-profile-{phase}"
+    prof_dir.mkdir(parents=True, exist_ok=True)
+    store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
+    for k in ("ATTN_OTEL", "ATTN_OTEL_LAYERS"):
+        os.environ.pop(k, None)
+    os.environ.update({"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0"})
+    if phase in ("auto", "all"):
+        os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": phase})
+    from vllm import LLM
+
+    llm = LLM(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
+              gpu_memory_utilization=0.9, seed=0,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
+                               "torch_profiler_with_stack": True})
+    _run_workload(llm, workload, 0.0, seed=99)
+    _run_workload(llm, workload, 0.0, seed=98)
+    llm.start_profile()
+    res = _run_workload(llm, workload, 0.0, seed=1)
+    llm.stop_profile()
+    time.sleep(10)
+    traces = sorted(prof_dir.rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_size)
+    text = f"# {phase} {workload}: {res['output_tokens_per_s']:.0f} tok/s under vLLM's profiler\n\n"
+    if traces:
+        text += trace_gaps.analyse(trace_gaps.load(str(traces[-1])))
+    (out / f"vllm-profile-{phase}.txt").write_text(text)
+    print(text, flush=True)
+    for t in traces:  # large; the text above is what is kept
+        t.unlink()
+
+
+def _gaps(prof) -> str:
+    """Where the GPU waits: the union of kernel intervals against the run's span, and the longest idle gaps
+    with the kernels either side."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+                     and not e.name.startswith("Command Buffer"))
+    if not kernels:
+        return ""
+    busy, gaps, end, prev = 0.0, [], kernels[0][0], kernels[0][2]
+    for a, b, name in kernels:
+        if a > end:
+            gaps.append((a - end, prev, name))
+        if b > end:
+            busy += b - max(a, end)
+            end, prev = b, name
+    span = end - kernels[0][0]
+    gaps.sort(reverse=True)
+    big = [g for g in gaps if g[0] >= 200]
+    lines = [f"GPU busy {busy / 1e6:.3f} s of {span / 1e6:.3f} s; idle gaps >= 0.2 ms: {len(big)}, "
+             f"{sum(g[0] for g in big) / 1e6:.3f} s; all gaps {sum(g[0] for g in gaps) / 1e6:.3f} s", ""]
+    lines += [f"  {g / 1e3:8.2f} ms after {p[:60]!r} before {n[:60]!r}" for g, p, n in gaps[:25]]
+    return "## GPU idle\n" + "\n".join(lines) + "\n\n"
 
 
 def report(out: Path, device: str | None = None, vllm_version: str | None = None) -> dict:
@@ -224,8 +286,13 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-version", help="vLLM version for phase files that lack it")
     ap.add_argument("--profile", choices=["off", "auto", "all"],
                     help="profile one warm run of this phase (first --workload) instead of measuring")
+    ap.add_argument("--engine-profile", choices=["off", "auto", "all"],
+                    help="the same through vLLM's profiler, in the multiprocess engine core")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.engine_profile:
+        engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0])
+        return 0
     if args.profile:
         profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0])
         return 0

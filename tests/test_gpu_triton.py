@@ -60,3 +60,31 @@ def test_slot_kernel_reads_several_requests_from_a_tap():
         assert torch.equal(torch.isnan(got), torch.isnan(ref)), b
         ok = ~torch.isnan(ref)
         assert (got[ok] - ref[ok]).abs().max().item() < 2e-4, b
+
+
+def test_scatter_rows_equals_index_copy():
+    """The forward's Q/K write (one Triton launch) puts each token's row where index_copy_ would: by slot
+    (padded tokens, slot -1, to the pad row) and through the stream's slot -> ring-row table; a query that
+    is a view into a fused QKV output (rows not adjacent) is read as it is."""
+    from attn_otel import triton_metrics
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    S, R, H, Hkv, D, n = 300, 64, 8, 2, 128, 40
+    qkv = torch.randn(n + 3, (H + 2 * Hkv) * D, device="cuda", generator=g).bfloat16()
+    q, k = qkv[:, :H * D], qkv[:, H * D:(H + Hkv) * D]
+    slots = torch.randperm(S, device="cuda", generator=g)[:n]
+    slots[[3, 17]] = -1
+    fixed = torch.where(slots < 0, S, slots)
+    for src, heads in ((q, H), (k, Hkv)):
+        tap = torch.zeros(S + 1, heads, D, device="cuda", dtype=torch.bfloat16)
+        assert triton_metrics.scatter_rows(tap, src, slots, S)
+        want = torch.zeros_like(tap).index_copy_(0, fixed, src[:n].reshape(n, heads, D))
+        assert torch.equal(tap[:S], want[:S])  # row S: two padded tokens, either may land
+    table = torch.full((S + 1,), R, dtype=torch.int64, device="cuda")
+    live = fixed[fixed < S]
+    table[live] = torch.randperm(R, device="cuda", generator=g)[:live.numel()]
+    ring = torch.zeros(R + 1, H, D, device="cuda", dtype=torch.bfloat16)
+    assert triton_metrics.scatter_rows(ring, q, slots, S, table=table)
+    want = torch.zeros_like(ring).index_copy_(0, table[fixed], q[:n].reshape(n, H, D))
+    assert torch.equal(ring[:R], want[:R])
+    assert not triton_metrics.scatter_rows(ring, q.reshape(-1, H, D).transpose(1, 2), slots, S, table=table)

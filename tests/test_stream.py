@@ -225,17 +225,19 @@ def test_sizes():
                                                                                                torch.bfloat16))
 
 
-def test_device_summaries_equal_numpy(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_device_summaries_equal_numpy(device, dtype):
     """The finish-time summary computed where the rows are (attn_otel.capture.device_summaries) equals
     attn_otel.metrics.summarize + summary_to_array of the same rows, request by request: prompt-only and
-    one-row requests, undefined (NaN) rows, metrics with no defined row at all."""
+    one-row requests, undefined (NaN) rows, metrics with no defined row at all.  Float16 rows (as the
+    streamed layers keep them) are summarised as they are, with float32 sums and interpolation."""
     from attn_otel.capture import device_summaries
     from attn_otel.metrics import summarize, summary_to_array
 
     g = torch.Generator().manual_seed(3)
     L, M, Hh = 3, 7, 4
     Ts, Ns = [1, 9, 40, 17, 5], [1, 9, 25, 10, 2]
-    rows = torch.rand(L, M, Hh, sum(Ts), generator=g)
+    rows = torch.rand(L, M, Hh, sum(Ts), generator=g).to(dtype)
     rows[:, 2:4, :, ::3] = float("nan")  # sink metrics undefined on some rows
     rows[:, 4:6] = float("nan")  # no image: the vision metrics nowhere defined
     rows[:, 6, 1] = float("nan")  # a head with no lookback value
@@ -243,7 +245,7 @@ def test_device_summaries_equal_numpy(device):
     got = device_summaries(rows.to(device), cu, Ns, vision=False).cpu().numpy()
     np.testing.assert_array_equal(got, device_summaries(rows.to(device), cu, Ns, vision=True).cpu().numpy())
     for b, (T, N) in enumerate(zip(Ts, Ns)):
-        r = rows[:, :, :, cu[b]:cu[b + 1]].numpy()
+        r = rows[:, :, :, cu[b]:cu[b + 1]].float().numpy()
         per_row = {name: r[:, i] for i, name in enumerate(("entropy", "entropy_norm", "sink_mass_first",
                                                            "sink_mass_k", "vision_share", "vision_share_norm",
                                                            "lookback_ratio"))}
@@ -251,9 +253,9 @@ def test_device_summaries_equal_numpy(device):
         assert got[b].shape == want.shape
         np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=f"request {b}")
     # one request with an image: its vision rows defined (on some rows), summarised when vision=True
-    rows[:, 4:6, :, cu[2]:cu[2] + 30] = torch.rand(L, 2, Hh, 30, generator=g)
+    rows[:, 4:6, :, cu[2]:cu[2] + 30] = torch.rand(L, 2, Hh, 30, generator=g).to(dtype)
     got = device_summaries(rows.to(device), cu, Ns, vision=True).cpu().numpy()
-    r = rows[:, :, :, cu[2]:cu[3]].numpy()
+    r = rows[:, :, :, cu[2]:cu[3]].float().numpy()
     names = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share", "vision_share_norm",
              "lookback_ratio")
     want = summary_to_array(summarize({n: r[:, i] for i, n in enumerate(names)}, Ns[2]), L, Hh)

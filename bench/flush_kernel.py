@@ -1,0 +1,120 @@
+"""The streamed layers' metric kernel alone, on the flush shapes of the overhead benchmark (GPU).
+
+Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16), keys in a FLASH_ATTN-layout
+paged cache (block size 16), random data.  Times one launch (one layer) per shape with CUDA events and
+reports milliseconds and the (row, key, head) evaluations per second; ``--sweep`` tries launch
+configurations (rows per program, keys per tile, warps, stages); ``--module PATH`` times another copy of
+``attn_otel/triton_metrics.py`` (an earlier kernel) for comparison.
+
+    python3 bench/flush_kernel.py [--sweep] [--module PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+H, HKV, D, BS = 32, 8, 128, 16
+# name: (requests, first row position, rows per request, prompt length)
+SHAPES = {
+    "prefill 32x512": (32, 0, 512, 512),
+    "decode 256x64 at 640": (256, 640, 64, 512),
+    "prefill 2x8192": (2, 0, 8192, 8192),
+    "finish 256x2 at 766": (256, 766, 2, 512),
+}
+
+
+def _inputs(reqs: int, first: int, n: int, prompt: int, device="cuda"):
+    T = first + n
+    nb = (T + BS - 1) // BS
+    blocks = reqs * nb
+    g = torch.Generator(device=device).manual_seed(0)
+    kv = torch.randn(blocks, HKV, BS, 2 * D, device=device, generator=g).to(torch.bfloat16)
+    key_cache = kv.transpose(1, 2)[..., :D]  # [blocks, BS, HKV, D], FLASH_ATTN 0.26's layout
+    rows = reqs * n
+    ring = torch.randn(rows + 1, H, D, device=device, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(blocks, device=device, generator=g)
+    pos = torch.arange(T, device=device)
+    key_slots = torch.cat([perm[b * nb:(b + 1) * nb][pos // BS] * BS + pos % BS for b in range(reqs)])
+    q_rows = torch.randperm(rows, device=device, generator=g)
+    i32 = dict(dtype=torch.int32, device=device)
+    cu_rows = torch.arange(reqs + 1, **i32) * n
+    cu_keys = torch.arange(reqs + 1, **i32) * T
+    firsts = torch.full((reqs,), first, **i32)
+    prompts = torch.full((reqs,), prompt, **i32)
+    out = torch.empty((blocks * BS + 1, 7, H), dtype=torch.float16, device=device)
+    return (ring, q_rows, cu_rows, firsts, key_cache, key_slots, cu_keys, prompts, n, D ** -0.5, 4, None, None,
+            out), reqs * H * sum(first + i + 1 for i in range(n))
+
+
+def _time(mod, args, reps: int) -> float:
+    mod.row_metrics_stream(*args)  # compile, warm
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        mod.row_metrics_stream(*args)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def _load(path: str | None):
+    if path is None:  # by path: the kernel needs torch and Triton only, not the package's dependencies
+        path = str(Path(__file__).resolve().parent.parent / "attn_otel" / "triton_metrics.py")
+    spec = importlib.util.spec_from_file_location("triton_metrics_alt", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--module", action="append", default=[], help="another triton_metrics.py to time")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    inputs = {name: _inputs(*shape) for name, shape in SHAPES.items()}
+    results = {"device": torch.cuda.get_device_name(0), "shapes": {k: list(v) for k, v in SHAPES.items()},
+               "runs": []}
+    mods = [("current", None)] + [(Path(m).name, m) for m in args.module]
+    configs = [{}]
+    if args.sweep:
+        configs += [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+                    for m, n, w, s in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
+    for label, path in mods:
+        mod = _load(path)
+        for cfg in (configs if path is None else [{}]):
+            if hasattr(mod, "CONFIG"):
+                mod.CONFIG.clear()
+                mod.CONFIG.update(cfg)
+            row = {"kernel": label, "config": cfg, "ms": {}, "g_evals_per_s": {}}
+            try:
+                for name, (a, evals) in inputs.items():
+                    ms = _time(mod, a, args.reps)
+                    row["ms"][name] = ms
+                    row["g_evals_per_s"][name] = evals / ms / 1e6
+            except Exception as e:  # noqa: BLE001 - a configuration that does not compile
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            results["runs"].append(row)
+            print(label, cfg, {k: round(v, 3) for k, v in row["ms"].items()}, row.get("error", ""), flush=True)
+    ok = [r for r in results["runs"] if r["kernel"] == "current" and "error" not in r]
+    if ok:
+        best = min(ok, key=lambda r: sum(r["ms"].values()))
+        results["best"] = best
+        print("best", best["config"], {k: round(v, 3) for k, v in best["ms"].items()})
+    (args.out / "flush_kernel.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
