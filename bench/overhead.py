@@ -163,10 +163,12 @@ def profile_phase(phase: str, out: Path, workload: str) -> None:
     print(text[:6000], flush=True)
 
 
-def engine_profile(phase: str, out: Path, workload: str) -> None:
+def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False) -> None:
     """One warm workload run of ``phase`` with vLLM's own torch profiler in the engine core process (the
     multiprocess engine, as measured): its trace and table go to DIR/vllm-profile-PHASE/, and where the GPU
-    waits (bench/trace_gaps.py) to DIR/vllm-profile-PHASE.txt."""
+    waits (bench/trace_gaps.py) to DIR/vllm-profile-PHASE.txt.  ``stacks`` records Python functions too
+    (the idle time is then blamed on them, not only on torch ops), but an 8 s run's trace then takes more
+    than 5 minutes to write."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import trace_gaps
 
@@ -183,7 +185,7 @@ def engine_profile(phase: str, out: Path, workload: str) -> None:
     llm = LLM(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
               gpu_memory_utilization=0.9, seed=0,
               profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
-                               "torch_profiler_with_stack": True})
+                               "torch_profiler_with_stack": stacks})
     _run_workload(llm, workload, 0.0, seed=99)
     _run_workload(llm, workload, 0.0, seed=98)
     llm.start_profile()
@@ -288,10 +290,11 @@ def main(argv=None) -> int:
                     help="profile one warm run of this phase (first --workload) instead of measuring")
     ap.add_argument("--engine-profile", choices=["off", "auto", "all"],
                     help="the same through vLLM's profiler, in the multiprocess engine core")
+    ap.add_argument("--stacks", action="store_true", help="with --engine-profile: record Python stacks (slow)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.engine_profile:
-        engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0])
+        engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0], args.stacks)
         return 0
     if args.profile:
         profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0])

@@ -1,0 +1,42 @@
+"""bench/trace_gaps.py: the GPU's busy time and idle gaps in a chrome trace, and the host function blamed
+for the idle time (the engine-core profile of bench/overhead.py --engine-profile reads through it)."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import trace_gaps  # noqa: E402
+
+
+def _x(cat, name, ts, dur, tid=0):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1}
+
+
+def test_busy_time_is_the_union_and_gaps_are_blamed_on_the_innermost_function(tmp_path):
+    events = [
+        _x("kernel", "gemm", 0, 1000), _x("kernel", "overlapping", 500, 1000),  # union 0..1500: busy 2.8 of 6 ms
+        _x("gpu_memcpy", "Memcpy HtoD", 4500, 500),  # gap 1500..4500 (3 ms)
+        _x("kernel", "attn", 5200, 800),  # gap 5000..5200 (0.2 ms)
+        _x("python_function", "engine_step", 0, 7000, tid=7),
+        _x("python_function", "MetricsStream._flush", 2000, 2000, tid=7),  # holds the middle of the 3 ms gap
+        _x("cpu_op", "aten::copy_", 5050, 100, tid=7),
+        _x("ac2g", "flow", 0, 0),  # not a duration event of interest
+    ]
+    path = tmp_path / "t.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    text = trace_gaps.analyse(trace_gaps.load(str(path)))
+    assert text.startswith("GPU busy 0.003 s of 0.006 s (46.7%); idle 0.003 s in 2 gaps")
+    lines = text.splitlines()
+    assert "3.00 ms after 'Memcpy HtoD'" not in text and "3.00 ms after 'overlapping' before 'Memcpy HtoD'" in text
+    blamed = [line for line in lines if "tid 7" in line]
+    assert "MetricsStream._flush" in blamed[0] and "3000.0 ms" not in blamed[0] and "3.0 ms" in blamed[0]
+    assert any("aten::copy_" in line and "0.2 ms" in line for line in blamed)
+    assert not any("engine_step" in line for line in blamed)  # an outer frame is not the innermost
+
+
+def test_a_trace_without_gpu_events_says_so():
+    assert trace_gaps.analyse([_x("cpu_op", "aten::mm", 0, 10)]) == "no GPU events\n"
