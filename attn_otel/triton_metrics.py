@@ -253,8 +253,7 @@ def row_metrics_slots(q_tap: torch.Tensor, k_tap: torch.Tensor, slots: torch.Ten
     ``prompt_lens [B]`` int32 -> ``out [7, Hq, sum T]`` float32 (request b's rows in its ``cu_tokens``
     range).  ``vision_mask`` is float32 ``[sum T]`` (concatenated per request) or None.  Nothing here
     syncs with the host: it can be enqueued on the engine's stream."""
-    hq, d = q_tap.shape[1], q_tap.shape[2]
-    hkv = k_tap.shape[1]
+    hq = q_tap.shape[1]
     total = slots.shape[0]
     B = cu_tokens.shape[0] - 1
     if out is None:

@@ -27,7 +27,6 @@ import datetime
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -134,12 +133,8 @@ def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict
     return result
 
 
-def profile_phase(phase: str, out: Path, workload: str) -> None:
-    """One warm workload run of ``phase`` under torch.profiler, the engine in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0): where the GPU and the host spend their time (profile-PHASE.txt)."""
-    import torch
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def _profile_llm(phase: str, **kwargs):
+    """The engine of ``phase`` for a profile (capture settings as in :func:`run_phase`, no stats dir)."""
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
     for k in ("ATTN_OTEL", "ATTN_OTEL_LAYERS"):
         os.environ.pop(k, None)
@@ -148,15 +143,31 @@ def profile_phase(phase: str, out: Path, workload: str) -> None:
         os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": phase})
     from vllm import LLM
 
-    llm = LLM(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
-              gpu_memory_utilization=0.9, seed=0)
+    return LLM(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
+               gpu_memory_utilization=0.9, seed=0, **kwargs)
+
+
+def profile_phase(phase: str, out: Path, workload: str) -> None:
+    """One warm workload run of ``phase`` under torch.profiler, the engine in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): where the GPU and the host spend their time (profile-PHASE.txt)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import trace_gaps
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    llm = _profile_llm(phase)
     _run_workload(llm, workload, 0.0, seed=99)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         res = _run_workload(llm, workload, 0.0, seed=1)
     ka = prof.key_averages()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        idle = trace_gaps.analyse(trace_gaps.load(trace))
     text = (f"# {phase} {workload}: {res['output_tokens_per_s']:.0f} tok/s under the profiler\n\n"
-            + _gaps(prof) +
+            "## GPU idle\n" + idle + "\n"
             "## by device time\n" + ka.table(sort_by="self_cuda_time_total", row_limit=45) +
             "\n## by host time\n" + ka.table(sort_by="self_cpu_time_total", row_limit=45))
     (out / f"profile-{phase}.txt").write_text(text)
@@ -174,18 +185,8 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False) -
 
     prof_dir = out / f"vllm-profile-{phase}"
     prof_dir.mkdir(parents=True, exist_ok=True)
-    store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
-    for k in ("ATTN_OTEL", "ATTN_OTEL_LAYERS"):
-        os.environ.pop(k, None)
-    os.environ.update({"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0"})
-    if phase in ("auto", "all"):
-        os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": phase})
-    from vllm import LLM
-
-    llm = LLM(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
-              gpu_memory_utilization=0.9, seed=0,
-              profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
-                               "torch_profiler_with_stack": stacks})
+    llm = _profile_llm(phase, profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
+                                               "torch_profiler_with_stack": stacks})
     _run_workload(llm, workload, 0.0, seed=99)
     _run_workload(llm, workload, 0.0, seed=98)
     llm.start_profile()
@@ -200,30 +201,6 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False) -
     print(text, flush=True)
     for t in traces:  # large; the text above is what is kept
         t.unlink()
-
-
-def _gaps(prof) -> str:
-    """Where the GPU waits: the union of kernel intervals against the run's span, and the longest idle gaps
-    with the kernels either side."""
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
-                     and not e.name.startswith("Command Buffer"))
-    if not kernels:
-        return ""
-    busy, gaps, end, prev = 0.0, [], kernels[0][0], kernels[0][2]
-    for a, b, name in kernels:
-        if a > end:
-            gaps.append((a - end, prev, name))
-        if b > end:
-            busy += b - max(a, end)
-            end, prev = b, name
-    span = end - kernels[0][0]
-    gaps.sort(reverse=True)
-    big = [g for g in gaps if g[0] >= 200]
-    lines = [f"GPU busy {busy / 1e6:.3f} s of {span / 1e6:.3f} s; idle gaps >= 0.2 ms: {len(big)}, "
-             f"{sum(g[0] for g in big) / 1e6:.3f} s; all gaps {sum(g[0] for g in gaps) / 1e6:.3f} s", ""]
-    lines += [f"  {g / 1e3:8.2f} ms after {p[:60]!r} before {n[:60]!r}" for g, p, n in gaps[:25]]
-    return "## GPU idle\n" + "\n".join(lines) + "\n\n"
 
 
 def report(out: Path, device: str | None = None, vllm_version: str | None = None) -> dict:
