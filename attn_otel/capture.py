@@ -34,7 +34,7 @@ from .metrics import summary_only
 from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent,
                   traceparent_sampled)
 from .store import CapturePart, CaptureRecord
-from .stream import MetricsStream, slots_of
+from .stream import MetricsStream, slots_of, upload
 
 logger = logging.getLogger("attn_otel")
 
@@ -111,16 +111,8 @@ class QKTap:
         return torch.empty((), dtype=self.dtype).element_size()
 
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        n = slot_mapping.shape[0]
-        qc, kc = self.q[layer], self.k[layer]
-        # One Triton launch per tensor on a GPU (torch's index_copy_ is a generic, slower gather-scatter).
-        if triton_metrics.scatter_rows(qc, query, slot_mapping, self.num_slots) and \
-                triton_metrics.scatter_rows(kc, key, slot_mapping, self.num_slots):
-            return
-        slots = slot_mapping.to(torch.long)
-        slots = torch.where(slots < 0, self.num_slots, slots)
-        qc.index_copy_(0, slots, query[:n].reshape(n, qc.shape[1], qc.shape[2]).to(qc.dtype))
-        kc.index_copy_(0, slots, key[:n].reshape(n, kc.shape[1], kc.shape[2]).to(kc.dtype))
+        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots)  # padded tokens: slot S
+        triton_metrics.scatter_rows(self.k[layer], key, slot_mapping, self.num_slots)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q[layer].index_select(0, slots), self.k[layer].index_select(0, slots)
@@ -268,9 +260,8 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
     dev = per_row.device
     B = len(cu) - 1
 
-    def up(values) -> torch.Tensor:  # to the device with no sync (a blocking copy would drain the engine's queue)
-        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
-        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+    def up(values) -> torch.Tensor:  # indices to the device with no sync, as every index here
+        return upload(np.asarray(values, dtype=np.int64), dev)
 
     out = torch.full((B, len(PARTS), len(SUMMARY_METRICS), len(SUMMARY_STATS), L, H), float("nan"),
                      dtype=torch.float32, device=dev)
@@ -672,7 +663,7 @@ class CaptureEngine:
         dev = self.device
 
         def up(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).pin_memory().to(dev, non_blocking=True)
+            return upload(a, dev)
 
         cu_dev, prompt_dev = up(cu), up(prompt)
         slots_dev = {g: up(np.concatenate(parts)) for g, parts in slots_host.items()}
@@ -713,7 +704,7 @@ class CaptureEngine:
             if len(parts) > 1 or parts[0][0] != list(range(len(layers))):
                 dev_sum = torch.full(dev_sum.shape[:4] + (len(layers), H), float("nan"), dtype=torch.float32,
                                      device=dev)
-                for lis, part in parts:  # the layer index uploaded with no sync, as every index here
+                for lis, part in parts:
                     dev_sum[..., : part.shape[-1]].index_copy_(4, up(np.asarray(lis, dtype=np.int64)), part)
             summaries = torch.empty(dev_sum.shape, dtype=torch.float32, pin_memory=True)
             summaries.copy_(dev_sum, non_blocking=True)
@@ -972,8 +963,7 @@ class CaptureEngine:
         if fanout is None:
             fanout = self._local.fanout = build_exporters(self.config)
             self._fanouts.append(fanout)
-        item = ExportItem(rec, latency_s=latency)
-        item._summary = summary
+        item = ExportItem(rec, latency_s=latency, _summary=summary)
         errors = fanout.export(item)
         return {"ok": True, "bytes": item.bytes_written, "errors": errors, "complete": item.complete,
                 "maps_stored": bool(item.maps_stored)}

@@ -55,6 +55,15 @@ class _Live:
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
 
 
+def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device`` with no sync: through pinned memory, non-blocking, on a GPU (a blocking
+    copy would wait for, and so drain, the work the engine has queued ahead)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def slots_of(block_ids: Sequence[int], block_size: int, start: int, n: int) -> np.ndarray:
     """KV-cache slots of positions ``start .. start + n - 1`` of a request with these blocks."""
     if n == 1:
@@ -140,18 +149,12 @@ class MetricsStream:
 
     # ------------------------------------------------------------------ in the forward (graph-safe)
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        n = slot_mapping.shape[0]
-        qr = self.q[self.pos[layer]]
-        # Padded tokens (slot -1) index the table's last entry, the ring's padding row.  One Triton launch on
-        # a GPU, else a lookup and a copy.
-        if not triton_metrics.scatter_rows(qr, query, slot_mapping, self.num_slots, table=self.ring_of_slot):
-            qr.index_copy_(0, self.ring_of_slot[slot_mapping],
-                           query[:n].reshape(n, qr.shape[1], qr.shape[2]).to(qr.dtype))
+        # Padded tokens (slot -1) go to the table's last entry, the ring's padding row.
+        triton_metrics.scatter_rows(self.q[self.pos[layer]], query, slot_mapping, self.num_slots,
+                                    table=self.ring_of_slot)
         tap = self.k_tap.get(layer)
-        if tap is not None and not triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots):
-            slots = slot_mapping.to(torch.long)
-            slots = torch.where(slots < 0, self.num_slots, slots)
-            tap.index_copy_(0, slots, key[:n].reshape(n, tap.shape[1], tap.shape[2]).to(tap.dtype))
+        if tap is not None:
+            triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots)
 
     # ------------------------------------------------------------------ engine loop, before a forward
     def schedule(self, items: Iterable[tuple[str, Any, int, int]]) -> None:
@@ -315,10 +318,7 @@ class MetricsStream:
         self.flushed_rows += n
 
     def _up(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return upload(a, self.device)
 
     def _flush_fused(self, firsts, counts, rows_np, key_slots, prompt, vm_parts, vc_parts) -> None:
         cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)

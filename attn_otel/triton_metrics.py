@@ -219,20 +219,23 @@ if triton is not None:
 def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad: int,
                  table: torch.Tensor | None = None) -> bool:
     """``dst[index[t]] = src[t]`` for the ``len(index)`` first rows of ``src`` (``index[t] < 0``: row
-    ``pad``), or ``dst[table[index[t]]]`` with a table (``index[t] < 0``: ``table[pad]``), one launch,
-    graph-safe (the forward's Q/K writes: torch's index_copy_ is a generic gather-scatter several times
-    slower).  ``dst`` and ``src`` are row-major past their first dimension.  False (nothing done) where the
-    kernel does not apply: no Triton, not CUDA, or rows that are not contiguous."""
-    if not available(dst.device) or src.device != dst.device:
-        return False
+    ``pad``), or ``dst[table[index[t]]]`` with a table (``index[t] < 0``: ``table[pad]``); graph-safe (the
+    forward's Q/K writes).  ``dst``'s rows take ``src``'s rows reshaped to them.  One Triton launch where it
+    applies (CUDA, rows each contiguous; torch's index_copy_ is a generic gather-scatter several times
+    slower), and then True; else the same with torch (a lookup and index_copy_), and False."""
     n = index.shape[0]
     C = dst[0].numel()
-    if n == 0 or src.shape[0] < n or src[0].numel() != C or not _rows_contiguous(dst) or not _rows_contiguous(src):
-        return False
-    tab = table if table is not None else index
-    _scatter_rows[(n,)](src, dst, index, tab, src.stride(0), dst.stride(0), int(pad), C=C,
-                        HAS_TABLE=table is not None, BLOCK=triton.next_power_of_2(C), num_warps=4)
-    return True
+    if (available(dst.device) and src.device == dst.device and n > 0 and src.shape[0] >= n
+            and src[0].numel() == C and _rows_contiguous(dst) and _rows_contiguous(src)):
+        tab = table if table is not None else index
+        _scatter_rows[(n,)](src, dst, index, tab, src.stride(0), dst.stride(0), int(pad), C=C,
+                            HAS_TABLE=table is not None, BLOCK=triton.next_power_of_2(C), num_warps=4)
+        return True
+    rows = torch.where(index < 0, pad, index.to(torch.long))
+    if table is not None:
+        rows = table[rows]
+    dst.index_copy_(0, rows, src[:n].reshape((n,) + tuple(dst.shape[1:])).to(dst.dtype))
+    return False
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

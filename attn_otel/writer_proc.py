@@ -78,8 +78,7 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
                                 vision_mask=views.get("vision_mask"), metrics=metrics)
             if fanout is None:
                 fanout = build_exporters(_config(store_url, config_json))
-            item = ExportItem(rec, latency_s=float(msg.get("latency_s", 0.0)))
-            item._summary = summary
+            item = ExportItem(rec, latency_s=float(msg.get("latency_s", 0.0)), _summary=summary)
             errors = fanout.export(item)
             reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors,
                      "complete": item.complete, "maps_stored": bool(item.maps_stored)}
