@@ -111,8 +111,8 @@ class QKTap:
         return torch.empty((), dtype=self.dtype).element_size()
 
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots)  # padded tokens: slot S
-        triton_metrics.scatter_rows(self.k[layer], key, slot_mapping, self.num_slots)
+        # one launch for both (padded tokens: slot S)
+        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots, dst2=self.k[layer], src2=key)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q[layer].index_select(0, slots), self.k[layer].index_select(0, slots)
@@ -246,14 +246,16 @@ FINISH_CHUNK_BYTES = 512 << 20  # per-row metrics of a step's finished requests 
 
 
 def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequence[int],
-                     vision: bool = True) -> torch.Tensor:
+                     vision: bool = True, fused: bool | None = None) -> torch.Tensor:
     """:func:`attn_otel.metrics.summarize` + :func:`~attn_otel.metrics.summary_to_array` of several
     requests at once, in torch on ``per_row``'s device: ``per_row [L, 7, H, sum T]`` (request b's rows at
     ``cu[b]:cu[b+1]``, NaN where undefined; float32, or float16 as the streamed layers keep them: sorted
     as they are, summed in float32) -> ``[B, part, metric, stat, L, H]`` float32.  The same
     statistics (mean over defined rows, and NumPy's "linear" quantiles of them), computed where the rows
     are, so that only a few kB per request cross to the host and the writers.  Each part sorts only its own
-    rows and the metrics it can have (no vision metrics unless ``vision``; lookback on generated rows)."""
+    rows and the metrics it can have (no vision metrics unless ``vision``; lookback on generated rows).  On a
+    GPU one Triton program sorts each part of each layer and head (:func:`attn_otel.triton_metrics.summaries`,
+    a few launches where this torch code makes hundreds); ``fused=False`` forces the torch code."""
     from .metrics import GENERATED_ONLY, PARTS, QUANTILES, SUMMARY_METRICS, SUMMARY_STATS, VISION
 
     L, M, H, _ = per_row.shape
@@ -265,6 +267,9 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
 
     out = torch.full((B, len(PARTS), len(SUMMARY_METRICS), len(SUMMARY_STATS), L, H), float("nan"),
                      dtype=torch.float32, device=dev)
+    if fused is not False and triton_metrics.summaries(per_row, [int(x) for x in cu], list(prompt_lens), vision,
+                                                       tuple(QUANTILES.values()), out):
+        return out  # one Triton launch per bucket of part lengths (on a GPU)
     for pi, part in enumerate(PARTS):
         names = [n for n in SUMMARY_METRICS if (vision or n not in VISION)
                  and (part == "generated" or n not in GENERATED_ONLY)]
@@ -716,9 +721,14 @@ class CaptureEngine:
             host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(out, non_blocking=True)
         tok_host = {}
-        for i, t in tokens_dev:
-            tok_host[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            tok_host[i].copy_(t, non_blocking=True)
+        if tokens_dev:  # one copy to the host for the chunk's requests
+            flat = torch.cat([t for _, t in tokens_dev])
+            host_ids = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host_ids.copy_(flat, non_blocking=True)
+            off = 0
+            for i, t in tokens_dev:
+                tok_host[i] = host_ids[off:off + t.shape[0]]
+                off += t.shape[0]
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self._finish_timing.append((started, event))
@@ -780,7 +790,7 @@ class CaptureEngine:
                 ids += [-1] * (T - len(ids))  # unknown to this worker (documented in the README)
                 tokens = np.asarray(ids[:T], dtype=np.int32)
             elif req.token_ids_device is not None:
-                tokens_dev = req.token_ids_device[:T].clone()
+                tokens_dev = req.token_ids_device[:T]  # a view of the step's own copy (adapter)
         N = min(len(req.prompt_token_ids), T)
         # Every rank of a parallel engine must name the capture's span alike.
         span_id = derived_span_id(trace_id, req.request_id) if par is not None else new_span_id()

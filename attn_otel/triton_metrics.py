@@ -14,6 +14,7 @@ Q and K, like the attention kernels vLLM runs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 try:
@@ -201,10 +202,60 @@ if triton is not None:
 
 
     @triton.jit
-    def _scatter_rows(SRC, DST, IDX, TABLE, src_stride, dst_stride, pad,
-                      C: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK: tl.constexpr):
+    def _summaries(X, SEG, OUT, nseg, sx_l, sx_m, sx_h, sx_t, so_b, so_p, so_m, so_s, so_l, so_h,
+                   q1, q2, q3, VISION: tl.constexpr, M: tl.constexpr, BLOCK: tl.constexpr):
+        # One program: one segment (a request's prompt or generated rows: SEG[0..3] = request, part, first
+        # row, length) of one layer and head; for each metric the part has, the mean of its defined (non-NaN)
+        # rows and NumPy's "linear" quantiles q1..q3 of them, from the rows sorted (NaN and padding as +inf,
+        # so the defined values come first).
+        sg = tl.program_id(0)
+        li = tl.program_id(1)
+        hi = tl.program_id(2)
+        b = tl.load(SEG + sg)
+        part = tl.load(SEG + nseg + sg)
+        start = tl.load(SEG + 2 * nseg + sg)
+        n = tl.load(SEG + 3 * nseg + sg)
+        ar = tl.arange(0, BLOCK)
+        inb = ar < n
+        obase = OUT + b * so_b + part * so_p + li * so_l + hi * so_h
+        for m in tl.static_range(M):
+            applies = True
+            if m == 4 or m == 5:  # the vision metrics: only where some request has an image
+                applies = VISION
+            if applies and (m != 6 or part == 1):  # lookback: generated rows only
+                v = tl.load(X + li * sx_l + m * sx_m + hi * sx_h + (start + ar).to(tl.int64) * sx_t, mask=inb,
+                            other=float("nan")).to(tl.float32)
+                ok = v == v
+                cnt = tl.sum(ok.to(tl.int32), 0)
+                tot = tl.sum(tl.where(ok, v, 0.0), 0)
+                srt = tl.sort(tl.where(ok, v, float("inf")))
+                last = tl.maximum(cnt - 1, 0)
+                nan = float("nan")
+                tl.store(obase + m * so_m, tl.where(cnt > 0, tot / tl.maximum(cnt, 1).to(tl.float32), nan))
+                for qi in tl.static_range(3):
+                    if qi == 0:
+                        q = q1
+                    elif qi == 1:
+                        q = q2
+                    else:
+                        q = q3
+                    pos = q * last.to(tl.float64)
+                    lo = tl.floor(pos).to(tl.int32)
+                    hj = tl.minimum(lo + 1, last)
+                    t = (pos - lo.to(tl.float64)).to(tl.float32)
+                    a = tl.sum(tl.where(ar == lo, srt, 0.0), 0)
+                    bv = tl.sum(tl.where(ar == hj, srt, 0.0), 0)
+                    val = tl.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
+                    tl.store(obase + m * so_m + (qi + 1) * so_s, tl.where(cnt > 0, val, nan))
+
+
+    @triton.jit
+    def _scatter_rows(SRC, DST, IDX, TABLE, SRC2, DST2, src_stride, dst_stride, src2_stride, dst2_stride, pad,
+                      C: tl.constexpr, C2: tl.constexpr, HAS_TABLE: tl.constexpr, PAIRS: tl.constexpr,
+                      BLOCK: tl.constexpr, BLOCK2: tl.constexpr):
         # Token t's row of C values goes to row IDX[t] of DST (IDX[t] < 0: row ``pad``), or, with a table,
-        # to row TABLE[IDX[t]] (IDX[t] < 0: TABLE[pad]).
+        # to row TABLE[IDX[t]] (IDX[t] < 0: TABLE[pad]); with PAIRS == 2 its row of C2 values of SRC2 too,
+        # to the same row of DST2 (the tap's query and key in one launch).
         t = tl.program_id(0)
         row = tl.load(IDX + t).to(tl.int64)
         row = tl.where(row < 0, pad, row)
@@ -214,28 +265,73 @@ if triton is not None:
         ok = cols < C
         v = tl.load(SRC + t.to(tl.int64) * src_stride + cols, mask=ok)
         tl.store(DST + row * dst_stride + cols, v.to(DST.dtype.element_ty), mask=ok)
+        if PAIRS == 2:
+            cols2 = tl.arange(0, BLOCK2)
+            ok2 = cols2 < C2
+            v2 = tl.load(SRC2 + t.to(tl.int64) * src2_stride + cols2, mask=ok2)
+            tl.store(DST2 + row * dst2_stride + cols2, v2.to(DST2.dtype.element_ty), mask=ok2)
 
 
 def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad: int,
-                 table: torch.Tensor | None = None) -> bool:
+                 table: torch.Tensor | None = None, dst2: torch.Tensor | None = None,
+                 src2: torch.Tensor | None = None) -> bool:
     """``dst[index[t]] = src[t]`` for the ``len(index)`` first rows of ``src`` (``index[t] < 0``: row
-    ``pad``), or ``dst[table[index[t]]]`` with a table (``index[t] < 0``: ``table[pad]``); graph-safe (the
-    forward's Q/K writes).  ``dst``'s rows take ``src``'s rows reshaped to them.  One Triton launch where it
-    applies (CUDA, rows each contiguous; torch's index_copy_ is a generic gather-scatter several times
-    slower), and then True; else the same with torch (a lookup and index_copy_), and False."""
+    ``pad``), or ``dst[table[index[t]]]`` with a table (``index[t] < 0``: ``table[pad]``); with ``dst2`` and
+    ``src2``, the same rows of ``dst2`` from ``src2`` too.  Graph-safe (the forward's Q/K writes).  ``dst``'s
+    rows take ``src``'s rows reshaped to them.  One Triton launch where it applies (CUDA, rows each
+    contiguous; torch's index_copy_ is a generic gather-scatter several times slower), and then True; else
+    the same with torch (a lookup and index_copy_ per pair), and False."""
     n = index.shape[0]
-    C = dst[0].numel()
-    if (available(dst.device) and src.device == dst.device and n > 0 and src.shape[0] >= n
-            and src[0].numel() == C and _rows_contiguous(dst) and _rows_contiguous(src)):
+    pairs = [(dst, src)] + ([(dst2, src2)] if dst2 is not None else [])
+    if (available(dst.device) and n > 0 and all(
+            s.device == d.device and s.shape[0] >= n and s[0].numel() == d[0].numel()
+            and _rows_contiguous(d) and _rows_contiguous(s) for d, s in pairs)):
         tab = table if table is not None else index
-        _scatter_rows[(n,)](src, dst, index, tab, src.stride(0), dst.stride(0), int(pad), C=C,
-                            HAS_TABLE=table is not None, BLOCK=triton.next_power_of_2(C), num_warps=4)
+        d2, s2 = pairs[-1]
+        C, C2 = dst[0].numel(), d2[0].numel()
+        _scatter_rows[(n,)](src, dst, index, tab, s2, d2, src.stride(0), dst.stride(0), s2.stride(0),
+                            d2.stride(0), int(pad), C=C, C2=C2, HAS_TABLE=table is not None, PAIRS=len(pairs),
+                            BLOCK=triton.next_power_of_2(C), BLOCK2=triton.next_power_of_2(C2), num_warps=4)
         return True
     rows = torch.where(index < 0, pad, index.to(torch.long))
     if table is not None:
         rows = table[rows]
-    dst.index_copy_(0, rows, src[:n].reshape((n,) + tuple(dst.shape[1:])).to(dst.dtype))
+    for d, s in pairs:
+        d.index_copy_(0, rows, s[:n].reshape((n,) + tuple(d.shape[1:])).to(d.dtype))
     return False
+
+
+SORT_MAX = 16384  # the longest part (rows) summarised by one Triton program (sorted in registers)
+
+
+def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], vision: bool,
+              quantiles: tuple[float, float, float], out: torch.Tensor) -> bool:
+    """Per request, part, metric, layer and head of ``per_row [L, 7, H, sum T]`` (any strides, float16 or
+    float32; request b's rows at ``cu[b]:cu[b+1]``, its first ``prompt_lens[b]`` the prompt's): the mean of
+    the defined rows and their "linear" quantiles, into ``out [B, 2, 7, 4, L, H]`` float32 (stats: mean and
+    the three quantiles; left as they are where a part lacks a metric: vision metrics unless ``vision``,
+    lookback in the prompt).  One launch per power-of-two bucket of part lengths, no host sync.  False
+    (nothing done) where this does not apply: not CUDA, or a part longer than ``SORT_MAX`` rows."""
+    if not available(per_row.device):
+        return False
+    segs: dict[int, list[tuple[int, int, int, int]]] = {}
+    for b in range(len(cu) - 1):
+        T = cu[b + 1] - cu[b]
+        N = min(int(prompt_lens[b]), T)
+        for part, (start, n) in enumerate(((cu[b], N), (cu[b] + N, T - N))):
+            if n > SORT_MAX:
+                return False
+            if n > 0:
+                segs.setdefault(max(16, triton.next_power_of_2(n)), []).append((b, part, start, n))
+    from .stream import upload
+
+    L, M, H, _ = per_row.shape
+    for block, items in sorted(segs.items()):
+        seg = upload(np.asarray(items, dtype=np.int64).T.copy(), per_row.device)
+        _summaries[(len(items), L, H)](
+            per_row, seg, out, len(items), *per_row.stride(), *out.stride(), *quantiles,
+            VISION=bool(vision), M=M, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return True
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

@@ -434,28 +434,59 @@ def _tap_layer(engine, spec, layer) -> None:
     if spec.index in engine.streamed:
         tap = engine.stream
     q_scale = getattr(layer, "_q_scale", None)
+    side = _side_stream(engine)
 
     def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        if attn_metadata is not None and key is not None:
+        if side is not None and attn_metadata is not None and key is not None:
+            # The write on a side stream, forked here and joined after the attention: it runs beside the
+            # attention kernel instead of as one more serial step of the forward (in a CUDA graph, a branch
+            # of the graph). The join keeps q and key alive and every later op ordered after the write.
+            import torch
+
+            cur = torch.cuda.current_stream()
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                _write(layer_, query, key, attn_metadata)
             try:
-                slots = get_forward_context().slot_mapping
-                if isinstance(slots, list):
-                    slots = slots[0]
-                slot_mapping = slots.get(name) if isinstance(slots, dict) else None
-                if slot_mapping is None:
-                    slot_mapping = getattr(attn_metadata, "slot_mapping", None)
-                if slot_mapping is not None:
-                    q = query
-                    if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
-                        q = q.float() * q_scale
-                    tap.write(index, q, key, slot_mapping)
-            except Exception:  # noqa: BLE001
-                engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
-                                 exc=True)
+                return orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            finally:
+                cur.wait_stream(side)
+        if attn_metadata is not None and key is not None:
+            _write(layer_, query, key, attn_metadata)
         return orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+    def _write(layer_, query, key, attn_metadata):
+        try:
+            slots = get_forward_context().slot_mapping
+            if isinstance(slots, list):
+                slots = slots[0]
+            slot_mapping = slots.get(name) if isinstance(slots, dict) else None
+            if slot_mapping is None:
+                slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+            if slot_mapping is not None:
+                q = query
+                if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
+                    q = q.float() * q_scale
+                tap.write(index, q, key, slot_mapping)
+        except Exception:  # noqa: BLE001
+            engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
+                             exc=True)
 
     forward._attn_otel = True  # type: ignore[attr-defined]
     impl.forward = forward
+
+
+def _side_stream(engine):
+    """The stream the forward's Q/K writes run on beside the attention (one per engine, CUDA only), or None:
+    on the attention's own stream (CPU builds; ``ATTN_OTEL_SIDE_STREAM=0``, kept for A/B benchmarks)."""
+    if engine.device.type != "cuda" or os.environ.get("ATTN_OTEL_SIDE_STREAM", "1") == "0":
+        return None
+    side = getattr(engine, "_side_stream", None)
+    if side is None:
+        import torch
+
+        side = engine._side_stream = torch.cuda.Stream(device=engine.device)
+    return side
 
 
 def _vision_positions(new_req):
@@ -470,15 +501,28 @@ def _vision_positions(new_req):
     return vision_mask(ranges) if ranges else None
 
 
-def _output_tokens(runner, req_id: str):
-    """(host list of generated ids, or None; device tensor of all ids, or None) for a live request."""
-    state = getattr(runner, "requests", {}).get(req_id) if hasattr(runner, "requests") else None
-    if state is not None:  # V1 runner: host-side request state
-        return list(state.output_token_ids), None
+def _output_tokens(runner, req_ids: list[str]) -> list[tuple[list[int] | None, object]]:
+    """Per finished request: (host list of its generated ids, or None; a device tensor of all its ids, or
+    None).  On the V2 runner the ids live on the device: one gather for all of the step's requests, enqueued
+    before this step can give their rows to new requests."""
+    state = getattr(runner, "requests", None)
+    if isinstance(state, dict):  # V1 runner: host-side request state
+        return [(list(state[r].output_token_ids), None) if r in state else (None, None) for r in req_ids]
     rs = getattr(runner, "req_states", None)  # V2 runner: token ids live on the device
-    if rs is not None and req_id in rs.req_id_to_index:
-        return None, rs.all_token_ids.gpu[rs.req_id_to_index[req_id]].clone()
-    return None, None
+    if rs is None:
+        return [(None, None)] * len(req_ids)
+    index = [rs.req_id_to_index.get(r) for r in req_ids]
+    have = [i for i in index if i is not None]
+    if not have:
+        return [(None, None)] * len(req_ids)
+    import numpy as np
+
+    from .stream import upload
+
+    src = rs.all_token_ids.gpu
+    rows = src.index_select(0, upload(np.asarray(have, dtype=np.int64), src.device))
+    it = iter(range(len(have)))
+    return [(None, None) if i is None else (None, rows[next(it)]) for i in index]
 
 
 def _before_step(orig, runner, scheduler_output, *args, **kwargs):
@@ -502,7 +546,7 @@ def _track(runner, engine, so) -> None:
         # any request sharing their prefix) are computed now, while their keys are still in the cache.
         stream.preempt(getattr(so, "preempted_req_ids", None) or ())
         stream.finish(so.finished_req_ids)
-    finished = []
+    done = []
     for req_id in so.finished_req_ids:
         if req_id.startswith("_") and "warmup" in req_id:  # vLLM's own start-up warm-up batches
             tracker.finish(req_id)
@@ -510,11 +554,14 @@ def _track(runner, engine, so) -> None:
         t = tracker.finish(req_id)
         if t is None or t.written <= 0:
             continue
-        outputs, device_ids = _output_tokens(runner, req_id)
-        finished.append(FinishedRequest(
-            request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
-            num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes,
-            extra_args=t.extra_args, vision_positions=t.vision_positions, token_ids_device=device_ids))
+        done.append((req_id, t))
+    finished = []
+    if done:
+        for (req_id, t), (outputs, device_ids) in zip(done, _output_tokens(runner, [r for r, _ in done])):
+            finished.append(FinishedRequest(
+                request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
+                num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes,
+                extra_args=t.extra_args, vision_positions=t.vision_positions, token_ids_device=device_ids))
     if finished:
         engine.on_finished_many(finished)
     if stream is not None:

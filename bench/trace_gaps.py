@@ -63,6 +63,27 @@ def analyse(events: list[dict], top: int = 25) -> str:
     out.append("longest gaps:")
     out += [f"  {g / 1e3:8.2f} ms after {p[:50]!r} before {n[:50]!r}" for g, _, _, p, n in gaps[:top]]
     out.append("")
+    out.append("idle time by gap size:")
+    edges = [0, 5, 20, 50, 200, 500, float("inf")]
+    for lo, hi in zip(edges, edges[1:]):
+        sel = [g[0] for g in gaps if lo <= g[0] < hi]
+        label = f">= {lo / 1e3:g} ms" if hi == float("inf") else f"{lo:g}-{hi:g} us"
+        out.append(f"  {label:>12}: {len(sel):7d} gaps, {sum(sel) / 1e3:9.1f} ms")
+    # gaps by the device op on either side: which op the GPU waits before (launched late), or after
+    before, after = collections.Counter(), collections.Counter()
+    nb, na = collections.Counter(), collections.Counter()
+    for g, _, _, p, n in gaps:
+        before[n[:60]] += g
+        nb[n[:60]] += 1
+        after[p[:60]] += g
+        na[p[:60]] += 1
+    out.append("")
+    out.append("idle time (all gaps) by the device op that ends the gap:")
+    out += [f"  {t / 1e3:9.1f} ms in {nb[k]:6d} gaps before {k!r}" for k, t in before.most_common(12)]
+    out.append("")
+    out.append("idle time (all gaps) by the device op that starts the gap:")
+    out += [f"  {t / 1e3:9.1f} ms in {na[k]:6d} gaps after {k!r}" for k, t in after.most_common(12)]
+    out.append("")
     out.append("idle time (gaps >= 0.2 ms) by the innermost host function at the gap's middle, per thread:")
     out += [f"  {t / 1e3:9.1f} ms  tid {tid}  {name}" for (tid, name), t in blame.most_common(top)]
     return "\n".join(out) + "\n"

@@ -88,3 +88,42 @@ def test_scatter_rows_equals_index_copy():
     want = torch.zeros_like(ring).index_copy_(0, table[fixed], q[:n].reshape(n, H, D))
     assert torch.equal(ring[:R], want[:R])
     assert not triton_metrics.scatter_rows(ring, q.reshape(-1, H, D).transpose(1, 2), slots, S, table=table)
+    # the tap's query and key in one launch: both land where two separate writes put them
+    tq = torch.zeros(S + 1, H, D, device="cuda", dtype=torch.bfloat16)
+    tk = torch.zeros(S + 1, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    assert triton_metrics.scatter_rows(tq, q, slots, S, dst2=tk, src2=k)
+    assert torch.equal(tq[:S], torch.zeros_like(tq).index_copy_(0, fixed, q[:n].reshape(n, H, D))[:S])
+    assert torch.equal(tk[:S], torch.zeros_like(tk).index_copy_(0, fixed, k[:n].reshape(n, Hkv, D))[:S])
+    assert tk[:S].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_summary_kernel_equals_the_torch_summaries(dtype):
+    """The finish-time summary on a GPU (one Triton program sorts each part of a layer and head) equals
+    device_summaries' torch code on the same rows: float16 rows read through the stream's strided gather
+    view, parts from 1 to 5000 rows (several length buckets, one past 2048: eight warps), NaN rows, a metric
+    with no defined row, vision metrics on some rows, and a part longer than SORT_MAX left to torch."""
+    import numpy as np
+
+    from attn_otel import triton_metrics
+    from attn_otel.capture import device_summaries
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    L, M, H = 5, 7, 8
+    Ts, Ns = [1, 9, 40, 700, 5000, 300], [1, 9, 25, 512, 4000, 0]
+    base = torch.rand(L, sum(Ts), M, H, device="cuda", generator=g).to(dtype)
+    rows = base.permute(0, 2, 3, 1)
+    rows[:, 2:4, :, ::3] = float("nan")
+    rows[:, 4:6] = float("nan")
+    rows[:, 4:6, :, 60:90] = torch.rand(L, 2, H, 30, device="cuda", generator=g).to(dtype)
+    rows[:, 6, 1] = float("nan")
+    cu = np.concatenate([[0], np.cumsum(Ts)]).tolist()
+    for vision in (False, True):
+        want = device_summaries(rows, cu, Ns, vision=vision, fused=False).cpu().numpy()
+        got = device_summaries(rows, cu, Ns, vision=vision).cpu().numpy()
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        assert (~np.isnan(want)).sum() > 1000
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6, equal_nan=True)
+    long = [0, triton_metrics.SORT_MAX + 1]
+    assert not triton_metrics.summaries(torch.zeros(1, 7, 1, long[1], device="cuda"), long, [long[1]], False,
+                                        (0.1, 0.5, 0.9), torch.zeros(1, 2, 7, 4, 1, 1, device="cuda"))

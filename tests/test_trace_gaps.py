@@ -40,3 +40,18 @@ def test_busy_time_is_the_union_and_gaps_are_blamed_on_the_innermost_function(tm
 
 def test_a_trace_without_gpu_events_says_so():
     assert trace_gaps.analyse([_x("cpu_op", "aten::mm", 0, 10)]) == "no GPU events\n"
+
+
+def test_idle_time_is_split_by_gap_size_and_by_the_ops_around_each_gap():
+    events = [_x("kernel", "gemm", 0, 100), _x("kernel", "_scatter_rows", 110, 5), _x("kernel", "attn", 125, 100),
+              _x("kernel", "_scatter_rows", 235, 5), _x("kernel", "attn", 1240, 10)]
+    text = trace_gaps.analyse(events)
+    lines = text.splitlines()
+    assert "idle 0.001 s in 4 gaps" in lines[0]
+    assert any(line.strip().startswith("5-20 us:") and " 3 gaps" in line and "0.0 ms" in line for line in lines)
+    assert any(line.strip().startswith(">= 0.5 ms:") and " 1 gaps" in line and "1.0 ms" in line for line in lines)
+    i = lines.index("idle time (all gaps) by the device op that ends the gap:")
+    assert "1.0 ms in      2 gaps before 'attn'" in lines[i + 1]
+    assert "0.0 ms in      2 gaps before '_scatter_rows'" in lines[i + 2]
+    j = lines.index("idle time (all gaps) by the device op that starts the gap:")
+    assert "1.0 ms in      2 gaps after '_scatter_rows'" in lines[j + 1]
