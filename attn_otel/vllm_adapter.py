@@ -434,59 +434,28 @@ def _tap_layer(engine, spec, layer) -> None:
     if spec.index in engine.streamed:
         tap = engine.stream
     q_scale = getattr(layer, "_q_scale", None)
-    side = _side_stream(engine)
 
     def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        if side is not None and attn_metadata is not None and key is not None:
-            # The write on a side stream, forked here and joined after the attention: it runs beside the
-            # attention kernel instead of as one more serial step of the forward (in a CUDA graph, a branch
-            # of the graph). The join keeps q and key alive and every later op ordered after the write.
-            import torch
-
-            cur = torch.cuda.current_stream()
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                _write(layer_, query, key, attn_metadata)
-            try:
-                return orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-            finally:
-                cur.wait_stream(side)
         if attn_metadata is not None and key is not None:
-            _write(layer_, query, key, attn_metadata)
+            try:
+                slots = get_forward_context().slot_mapping
+                if isinstance(slots, list):
+                    slots = slots[0]
+                slot_mapping = slots.get(name) if isinstance(slots, dict) else None
+                if slot_mapping is None:
+                    slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+                if slot_mapping is not None:
+                    q = query
+                    if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
+                        q = q.float() * q_scale
+                    tap.write(index, q, key, slot_mapping)
+            except Exception:  # noqa: BLE001
+                engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
+                                 exc=True)
         return orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-
-    def _write(layer_, query, key, attn_metadata):
-        try:
-            slots = get_forward_context().slot_mapping
-            if isinstance(slots, list):
-                slots = slots[0]
-            slot_mapping = slots.get(name) if isinstance(slots, dict) else None
-            if slot_mapping is None:
-                slot_mapping = getattr(attn_metadata, "slot_mapping", None)
-            if slot_mapping is not None:
-                q = query
-                if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
-                    q = q.float() * q_scale
-                tap.write(index, q, key, slot_mapping)
-        except Exception:  # noqa: BLE001
-            engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
-                             exc=True)
 
     forward._attn_otel = True  # type: ignore[attr-defined]
     impl.forward = forward
-
-
-def _side_stream(engine):
-    """The stream the forward's Q/K writes run on beside the attention (one per engine, CUDA only), or None:
-    on the attention's own stream (CPU builds; ``ATTN_OTEL_SIDE_STREAM=0``, kept for A/B benchmarks)."""
-    if engine.device.type != "cuda" or os.environ.get("ATTN_OTEL_SIDE_STREAM", "1") == "0":
-        return None
-    side = getattr(engine, "_side_stream", None)
-    if side is None:
-        import torch
-
-        side = engine._side_stream = torch.cuda.Stream(device=engine.device)
-    return side
 
 
 def _vision_positions(new_req):
