@@ -107,6 +107,13 @@ class MetricsStream:
                 self.k_tap[s.index] = tap
                 self.keys[s.index] = tap[:, None]
         self._fused = triton_metrics.available(self.device)
+        # one launch for every layer where their keys allow it (vLLM's per-layer caches: one shape and dtype)
+        self._layered = None
+        if self._fused and len({s.scale for s in self.layers}) == 1:
+            caches = [self.keys[s.index] for s in self.layers]
+            offs = triton_metrics.key_offsets(caches)
+            if offs is not None:
+                self._layered = (caches, torch.tensor(offs, dtype=torch.int64, device=self.device))
         # host side: a stack of free ring rows; per ring row its owner (-1: free), position and slot; per
         # slot the owner of its pending row (-1: none)
         self._free = np.arange(R - 1, -1, -1, dtype=np.int64)
@@ -336,11 +343,20 @@ class MetricsStream:
         prompt_d = up(np.asarray(prompt, dtype=np.int32))
         vm_d = up(np.concatenate(vm_parts)) if vm_parts is not None else None
         vc_d = up(np.concatenate(vc_parts).astype(np.float32)) if vc_parts is not None else None
-        for spec in self.layers:
-            li = self.pos[spec.index]
-            triton_metrics.row_metrics_stream(
-                self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
-                max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
+        if self._layered is not None:  # every layer in one launch
+            caches, offs = self._layered
+            triton_metrics.row_metrics_stream_layers(
+                self.q, rows_d, cu_rows_d, first_d, caches, offs, keys_d, cu_keys_d, prompt_d, max(counts),
+                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics)
+        else:
+            for spec in self.layers:
+                li = self.pos[spec.index]
+                triton_metrics.row_metrics_stream(
+                    self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
+                    max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
+        self._timed(timed, start if timed else None)
+
+    def _timed(self, timed: bool, start) -> None:
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

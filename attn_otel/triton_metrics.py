@@ -93,20 +93,29 @@ if triton is not None:
             vis = vis * alpha + tl.sum(e * vm[None, :], 1)
         return m_new, l_i, h1, s0, sk, vis, ctx, gen
 
-    @triton.jit(do_not_specialize=["KS", "BS", "HEADS", "GROUP"])
-    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KS, scale, BS, HEADS, GROUP,
-                     sq_t, sq_h, sk_b, sk_t, sk_h, so_r, so_m, so_h,
-                     HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, HG: tl.constexpr,
-                     D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    @triton.jit(do_not_specialize=["KS", "BS", "HEADS", "GROUP", "NHG"])
+    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, KS, scale, BS, HEADS, GROUP, NHG,
+                     sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
+                     HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, LAYERED: tl.constexpr,
+                     HG: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         # Request b: its query rows are positions A[b] .. A[b] + n - 1 (n = CUQ[b+1] - CUQ[b]), read from Q
         # at rows QR[CUQ[b] + i]; its keys are positions 0 .. T - 1 (T = CUK[b+1] - CUK[b] = A[b] + n), read
         # at slots KSL[CUK[b] + j] of a paged K (block KSL // BS, offset KSL % BS; a tap is BS = 1).
         # A program takes BLOCK_R consecutive rows of HEADS query heads that share one KV head (HG >= HEADS,
         # a power of two; padded heads are masked): BLOCK_M = HG * BLOCK_R rows against each K tile, loaded
         # once for all of them (GQA).
+        # LAYERED: several layers in one launch, program_id(1) = layer * NHG + head group; a layer's Q and OUT
+        # are sq_l and so_l elements on, its keys KOFF[layer] elements from K (each layer's own cache).
         pid_m = tl.program_id(0)
-        h0 = tl.program_id(1) * HEADS
         b = tl.program_id(2)
+        if LAYERED:
+            layer = tl.program_id(1) // NHG
+            h0 = (tl.program_id(1) % NHG) * HEADS
+            Q += layer.to(tl.int64) * sq_l
+            OUT += layer.to(tl.int64) * so_l
+            K += tl.load(KOFF + layer)
+        else:
+            h0 = tl.program_id(1) * HEADS
         qstart = tl.load(CUQ + b)
         n = tl.load(CUQ + b + 1) - qstart
         if pid_m * BLOCK_R >= n:
@@ -392,6 +401,34 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     return out
 
 
+def row_metrics_stream_layers(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torch.Tensor,
+                              first: torch.Tensor, key_caches: list[torch.Tensor], key_offsets: torch.Tensor,
+                              key_slots: torch.Tensor, cu_keys: torch.Tensor, prompt_lens: torch.Tensor,
+                              max_rows: int, scale: float, sink_tokens: int, vision_mask: torch.Tensor | None,
+                              vision_count: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """:func:`row_metrics_stream` for every layer of ``q_ring [L, R, Hq, D]`` and ``out [L, S, 7, Hq]`` in one
+    launch: layer l's keys are ``key_caches[l]`` (one shape, dtype and strides), which lies
+    ``key_offsets[l]`` elements from ``key_caches[0]`` (see :func:`key_offsets`)."""
+    _launch(q_ring[0], q_rows, cu_rows, first, key_caches[0], key_slots, cu_keys, prompt_lens, vision_mask,
+            vision_count, out[0], out.stride(1), out.stride(2), out.stride(3), True, max_rows, scale, sink_tokens,
+            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)))
+    return out
+
+
+def key_offsets(key_caches: list[torch.Tensor]) -> list[int] | None:
+    """Each cache's element offset from the first, where one launch can read them all (one device, dtype,
+    shape and strides, addresses a whole number of elements apart), else None."""
+    k0 = key_caches[0]
+    size = k0.element_size()
+    offs = []
+    for k in key_caches:
+        if (k.device != k0.device or k.dtype != k0.dtype or k.shape != k0.shape or k.stride() != k0.stride()
+                or (k.data_ptr() - k0.data_ptr()) % size):
+            return None
+        offs.append((k.data_ptr() - k0.data_ptr()) // size)
+    return offs
+
+
 def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
     """(heads, padded): a program takes ``heads`` query heads of one KV head, ``padded`` (a power of two,
     at most 8 unless the group is one head) rows of heads in its tile."""
@@ -418,7 +455,10 @@ def _config(hg: int, d: int) -> tuple[int, int, int, int]:
 
 
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens) -> None:
+            out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None) -> None:
+    """``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
+    are then layer 0's, ``key_cache`` layer 0's cache and ``key_offsets`` each layer's element offset from
+    it, int64 on the device)."""
     hq, d = q.shape[1], q.shape[2]
     hkv = key_cache.shape[2]
     B = cu_rows.shape[0] - 1
@@ -427,13 +467,14 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
     vc = vision_count if has_vision else out
     heads, hg = _heads_per_program(hq, hkv)
     block_r, block_n, warps, stages = _config(hg, d)
-    grid = (triton.cdiv(max(int(max_rows), 1), block_r), hq // heads, B)
-    _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out,
-                       int(sink_tokens), float(scale), int(key_cache.shape[1]), heads, hq // hkv,
-                       q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-                       so_r, so_m, so_h,
-                       HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, HG=hg, D=d, BLOCK_R=block_r,
-                       BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    n_layers, koff, sq_l, so_l = layers if layers is not None else (1, out, 0, 0)
+    grid = (triton.cdiv(max(int(max_rows), 1), block_r), n_layers * (hq // heads), B)
+    _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out, koff,
+                       int(sink_tokens), float(scale), int(key_cache.shape[1]), heads, hq // hkv, hq // heads,
+                       sq_l, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                       so_l, so_r, so_m, so_h,
+                       HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None, HG=hg, D=d,
+                       BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
 def row_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int, sink_tokens: int = 4,

@@ -127,3 +127,37 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
     long = [0, triton_metrics.SORT_MAX + 1]
     assert not triton_metrics.summaries(torch.zeros(1, 7, 1, long[1], device="cuda"), long, [long[1]], False,
                                         (0.1, 0.5, 0.9), torch.zeros(1, 2, 7, 4, 1, 1, device="cuda"))
+
+
+def test_all_layers_in_one_launch_equal_one_launch_per_layer():
+    """The stream's flush of every layer in one launch (each layer's keys in its own allocation, reached by
+    its element offset from the first, which may be negative) gives the per-layer launches' metrics."""
+    from attn_otel import triton_metrics as tm
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    L, R, H, Hkv, D, NB, BS = 4, 256, 32, 8, 128, 64, 16
+    S = NB * BS
+    q = (torch.randn(L, R + 1, H, D, device="cuda", generator=g) * 1.5).bfloat16()
+    caches = [(torch.randn(NB, BS, Hkv, D, device="cuda", generator=g) * 1.5).bfloat16() for _ in range(L)]
+    caches = caches[::-1]  # later allocations first: negative offsets
+    perm = torch.randperm(S, device="cuda", generator=g)
+    T, first = [300, 200, 41], [250, 0, 40]
+    counts = [t - f for t, f in zip(T, first)]
+    keys = torch.cat([perm[sum(T[:i]):sum(T[:i + 1])] for i in range(3)])
+    rows = torch.randperm(R, device="cuda", generator=g)[:sum(counts)]
+    cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    fst = torch.tensor(first, dtype=torch.int32, device="cuda")
+    prompt = torch.tensor([260, 100, 41], dtype=torch.int32, device="cuda")
+    want = torch.full((L, S + 1, 7, H), float("nan"), device="cuda", dtype=torch.float16)
+    for li in range(L):
+        tm.row_metrics_stream(q[li], rows, cu(counts), fst, caches[li], keys, cu(T), prompt, max(counts),
+                              D ** -0.5, 4, None, None, want[li])
+    offs = tm.key_offsets(caches)
+    assert offs is not None and min(offs) < 0
+    got = torch.full_like(want, float("nan"))
+    tm.row_metrics_stream_layers(q, rows, cu(counts), fst, caches, torch.tensor(offs, device="cuda"), keys, cu(T),
+                                 prompt, max(counts), D ** -0.5, 4, None, None, got)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert (~torch.isnan(want)).sum() > 10000
+    assert torch.equal(got, want) or torch.allclose(got.float(), want.float(), atol=1e-3, equal_nan=True)
+    assert tm.key_offsets([caches[0], caches[1].float()]) is None
