@@ -254,7 +254,7 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
     statistics (mean over defined rows, and NumPy's "linear" quantiles of them), computed where the rows
     are, so that only a few kB per request cross to the host and the writers.  Each part sorts only its own
     rows and the metrics it can have (no vision metrics unless ``vision``; lookback on generated rows).  On a
-    GPU one Triton program sorts each part of each layer and head (:func:`attn_otel.triton_metrics.summaries`,
+    GPU one Triton program selects the quantiles of each part of each layer and head (:func:`attn_otel.triton_metrics.summaries`,
     a few launches where this torch code makes hundreds); ``fused=False`` forces the torch code."""
     from .metrics import GENERATED_ONLY, PARTS, QUANTILES, SUMMARY_METRICS, SUMMARY_STATS, VISION
 

@@ -211,12 +211,29 @@ if triton is not None:
 
 
     @triton.jit
+    def _kth(key, r, zero):
+        # The r-th smallest (0-based) of ``key`` (non-negative int64 below 2**32): the largest value P with
+        # at most r keys below it, found bit by bit (32 counting passes; no sort, so a small kernel to compile).
+        prefix = zero
+        for bit in range(31, -1, -1):
+            cand = prefix + (tl.full([], 1, tl.int64) << bit)
+            below = tl.sum((key < cand).to(tl.int32), 0)
+            prefix = tl.where(below <= r, cand, prefix)
+        return prefix
+
+    @triton.jit
+    def _unkey(k):
+        # inverse of the order-preserving map float32 bits -> [0, 2**32) below
+        u = tl.where(k >= 2147483648, k - 2147483648, 4294967295 - k)
+        return tl.where(u >= 2147483648, u - 4294967296, u).to(tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _summaries(X, SEG, OUT, nseg, sx_l, sx_m, sx_h, sx_t, so_b, so_p, so_m, so_s, so_l, so_h,
                    q1, q2, q3, VISION: tl.constexpr, M: tl.constexpr, BLOCK: tl.constexpr):
         # One program: one segment (a request's prompt or generated rows: SEG[0..3] = request, part, first
         # row, length) of one layer and head; for each metric the part has, the mean of its defined (non-NaN)
-        # rows and NumPy's "linear" quantiles q1..q3 of them, from the rows sorted (NaN and padding as +inf,
-        # so the defined values come first).
+        # rows and NumPy's "linear" quantiles q1..q3 of them.  The order statistics are selected on float32
+        # bits mapped to keys in the floats' order (undefined rows: the largest key, never selected).
         sg = tl.program_id(0)
         li = tl.program_id(1)
         hi = tl.program_id(2)
@@ -226,6 +243,7 @@ if triton is not None:
         n = tl.load(SEG + 3 * nseg + sg)
         ar = tl.arange(0, BLOCK)
         inb = ar < n
+        zero = tl.sum(tl.zeros([BLOCK], tl.int64), 0)
         obase = OUT + b * so_b + part * so_p + li * so_l + hi * so_h
         for m in tl.static_range(M):
             applies = True
@@ -237,7 +255,9 @@ if triton is not None:
                 ok = v == v
                 cnt = tl.sum(ok.to(tl.int32), 0)
                 tot = tl.sum(tl.where(ok, v, 0.0), 0)
-                srt = tl.sort(tl.where(ok, v, float("inf")))
+                bits = v.to(tl.int32, bitcast=True).to(tl.int64)
+                key = tl.where(bits < 0, -1 - bits, bits + 2147483648)  # negative floats reversed, below the rest
+                key = tl.where(ok, key, 4294967295)
                 last = tl.maximum(cnt - 1, 0)
                 nan = float("nan")
                 tl.store(obase + m * so_m, tl.where(cnt > 0, tot / tl.maximum(cnt, 1).to(tl.float32), nan))
@@ -252,8 +272,8 @@ if triton is not None:
                     lo = tl.floor(pos).to(tl.int32)
                     hj = tl.minimum(lo + 1, last)
                     t = (pos - lo.to(tl.float64)).to(tl.float32)
-                    a = tl.sum(tl.where(ar == lo, srt, 0.0), 0)
-                    bv = tl.sum(tl.where(ar == hj, srt, 0.0), 0)
+                    a = _unkey(_kth(key, lo, zero))
+                    bv = _unkey(_kth(key, hj, zero))
                     val = tl.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
                     tl.store(obase + m * so_m + (qi + 1) * so_s, tl.where(cnt > 0, val, nan))
 
@@ -310,7 +330,7 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
     return False
 
 
-SORT_MAX = 16384  # the longest part (rows) summarised by one Triton program (sorted in registers)
+SORT_MAX = 16384  # the longest part (rows) summarised by one Triton program (its rows held in registers)
 
 
 def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], vision: bool,
