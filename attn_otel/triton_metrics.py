@@ -227,7 +227,7 @@ if triton is not None:
         u = tl.where(k >= 2147483648, k - 2147483648, 4294967295 - k)
         return tl.where(u >= 2147483648, u - 4294967296, u).to(tl.int32).to(tl.float32, bitcast=True)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["nseg"])  # a count that varies per call: no recompile when it is 1 or 16k
     def _summaries(X, SEG, OUT, nseg, sx_l, sx_m, sx_h, sx_t, so_b, so_p, so_m, so_s, so_l, so_h,
                    q1, q2, q3, VISION: tl.constexpr, M: tl.constexpr, BLOCK: tl.constexpr):
         # One program: one segment (a request's prompt or generated rows: SEG[0..3] = request, part, first
