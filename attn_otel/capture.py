@@ -112,7 +112,8 @@ class QKTap:
 
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # one launch for both (padded tokens: slot S)
-        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots, dst2=self.k[layer], src2=key)
+        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots,
+                                    dst2=self.k[layer], src2=key)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q[layer].index_select(0, slots), self.k[layer].index_select(0, slots)
@@ -254,8 +255,9 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
     statistics (mean over defined rows, and NumPy's "linear" quantiles of them), computed where the rows
     are, so that only a few kB per request cross to the host and the writers.  Each part sorts only its own
     rows and the metrics it can have (no vision metrics unless ``vision``; lookback on generated rows).  On a
-    GPU one Triton program selects the quantiles of each part of each layer and head (:func:`attn_otel.triton_metrics.summaries`,
-    a few launches where this torch code makes hundreds); ``fused=False`` forces the torch code."""
+    GPU one Triton program selects the quantiles of each part of each layer and head
+    (:func:`attn_otel.triton_metrics.summaries`: a few launches where this torch code makes hundreds);
+    ``fused=False`` forces the torch code."""
     from .metrics import GENERATED_ONLY, PARTS, QUANTILES, SUMMARY_METRICS, SUMMARY_STATS, VISION
 
     L, M, H, _ = per_row.shape

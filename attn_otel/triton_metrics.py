@@ -211,13 +211,14 @@ if triton is not None:
 
 
     @triton.jit
-    def _kth(key, r, zero):
-        # The r-th smallest (0-based) of ``key`` (non-negative int64 below 2**32): the largest value P with
-        # at most r keys below it, found bit by bit (32 counting passes; no sort, so a small kernel to compile).
-        prefix = zero
+    def _kth(key, r):
+        # Order statistics of ``key`` ([BLOCK], non-negative int64 below 2**32): for each rank r[i] (0-based)
+        # the largest value P with at most r[i] keys below it, found bit by bit for every rank at once (32
+        # counting passes; no sort, so a small kernel to compile).
+        prefix = tl.zeros(r.shape, tl.int64)
         for bit in range(31, -1, -1):
             cand = prefix + (tl.full([], 1, tl.int64) << bit)
-            below = tl.sum((key < cand).to(tl.int32), 0)
+            below = tl.sum((key[None, :] < cand[:, None]).to(tl.int32), 1)
             prefix = tl.where(below <= r, cand, prefix)
         return prefix
 
@@ -243,7 +244,6 @@ if triton is not None:
         n = tl.load(SEG + 3 * nseg + sg)
         ar = tl.arange(0, BLOCK)
         inb = ar < n
-        zero = tl.sum(tl.zeros([BLOCK], tl.int64), 0)
         obase = OUT + b * so_b + part * so_p + li * so_l + hi * so_h
         for m in tl.static_range(M):
             applies = True
@@ -261,19 +261,17 @@ if triton is not None:
                 last = tl.maximum(cnt - 1, 0)
                 nan = float("nan")
                 tl.store(obase + m * so_m, tl.where(cnt > 0, tot / tl.maximum(cnt, 1).to(tl.float32), nan))
+                # the two order statistics around each quantile's position, all six selected together
+                j = tl.arange(0, 8)
+                qv = tl.where(j < 2, q1, tl.where(j < 4, q2, q3))
+                pos = qv * last.to(tl.float64)
+                lo = tl.floor(pos).to(tl.int32)
+                rank = tl.where(j % 2 == 0, lo, tl.minimum(lo + 1, last))
+                vals = _unkey(_kth(key, tl.where(j < 6, rank, 0)))
                 for qi in tl.static_range(3):
-                    if qi == 0:
-                        q = q1
-                    elif qi == 1:
-                        q = q2
-                    else:
-                        q = q3
-                    pos = q * last.to(tl.float64)
-                    lo = tl.floor(pos).to(tl.int32)
-                    hj = tl.minimum(lo + 1, last)
-                    t = (pos - lo.to(tl.float64)).to(tl.float32)
-                    a = _unkey(_kth(key, lo, zero))
-                    bv = _unkey(_kth(key, hj, zero))
+                    a = tl.sum(tl.where(j == 2 * qi, vals, 0.0), 0)
+                    bv = tl.sum(tl.where(j == 2 * qi + 1, vals, 0.0), 0)
+                    t = tl.sum(tl.where(j == 2 * qi, (pos - lo.to(tl.float64)).to(tl.float32), 0.0), 0)
                     val = tl.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
                     tl.store(obase + m * so_m + (qi + 1) * so_s, tl.where(cnt > 0, val, nan))
 
@@ -330,7 +328,7 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
     return False
 
 
-SORT_MAX = 16384  # the longest part (rows) summarised by one Triton program (its rows held in registers)
+SORT_MAX = 2048  # the longest part (rows) summarised by one Triton program (its rows held in registers)
 
 
 def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], vision: bool,
