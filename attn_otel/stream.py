@@ -354,9 +354,6 @@ class MetricsStream:
                 triton_metrics.row_metrics_stream(
                     self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                     max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
-        self._timed(timed, start if timed else None)
-
-    def _timed(self, timed: bool, start) -> None:
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -328,7 +328,7 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
     return False
 
 
-SORT_MAX = 2048  # the longest part (rows) summarised by one Triton program (its rows held in registers)
+SUMMARY_MAX_ROWS = 2048  # the longest part (rows) summarised by one Triton program (its rows in registers)
 
 
 def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], vision: bool,
@@ -338,7 +338,7 @@ def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], visi
     the defined rows and their "linear" quantiles, into ``out [B, 2, 7, 4, L, H]`` float32 (stats: mean and
     the three quantiles; left as they are where a part lacks a metric: vision metrics unless ``vision``,
     lookback in the prompt).  One launch per power-of-two bucket of part lengths, no host sync.  False
-    (nothing done) where this does not apply: not CUDA, or a part longer than ``SORT_MAX`` rows."""
+    (nothing done) where this does not apply: not CUDA, or a part longer than ``SUMMARY_MAX_ROWS`` rows."""
     if not available(per_row.device):
         return False
     segs: dict[int, list[tuple[int, int, int, int]]] = {}
@@ -346,7 +346,7 @@ def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], visi
         T = cu[b + 1] - cu[b]
         N = min(int(prompt_lens[b]), T)
         for part, (start, n) in enumerate(((cu[b], N), (cu[b] + N, T - N))):
-            if n > SORT_MAX:
+            if n > SUMMARY_MAX_ROWS:
                 return False
             if n > 0:
                 segs.setdefault(max(16, triton.next_power_of_2(n)), []).append((b, part, start, n))
@@ -357,7 +357,7 @@ def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], visi
         seg = upload(np.asarray(items, dtype=np.int64).T.copy(), per_row.device)
         _summaries[(len(items), L, H)](
             per_row, seg, out, len(items), *per_row.stride(), *out.stride(), *quantiles,
-            VISION=bool(vision), M=M, BLOCK=block, num_warps=4 if block <= 2048 else 8)
+            VISION=bool(vision), M=M, BLOCK=block, num_warps=4)
     return True
 
 

@@ -489,9 +489,8 @@ def _output_tokens(runner, req_ids: list[str]) -> list[tuple[list[int] | None, o
     from .stream import upload
 
     src = rs.all_token_ids.gpu
-    rows = src.index_select(0, upload(np.asarray(have, dtype=np.int64), src.device))
-    it = iter(range(len(have)))
-    return [(None, None) if i is None else (None, rows[next(it)]) for i in index]
+    rows = iter(src.index_select(0, upload(np.asarray(have, dtype=np.int64), src.device)))  # a row each
+    return [(None, None) if i is None else (None, next(rows)) for i in index]
 
 
 def _before_step(orig, runner, scheduler_output, *args, **kwargs):

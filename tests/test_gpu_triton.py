@@ -101,8 +101,8 @@ def test_scatter_rows_equals_index_copy():
 def test_summary_kernel_equals_the_torch_summaries(dtype):
     """The finish-time summary on a GPU (one Triton program selects the quantiles of each part of a layer and
     head, bit by bit) equals device_summaries' torch code on the same rows: float16 rows read through the
-    stream's strided gather view, parts from 1 to 2048 rows (several length buckets, the longest with eight warps), NaN rows, a metric
-    with no defined row, vision metrics on some rows, and a part longer than SORT_MAX left to torch."""
+    stream's strided gather view, parts from 1 to 2048 rows (several length buckets), NaN rows, a metric with
+    no defined row, vision metrics on some rows, and a part longer than SUMMARY_MAX_ROWS left to torch."""
     import numpy as np
 
     from attn_otel import triton_metrics
@@ -127,7 +127,7 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
         assert np.array_equal(np.isnan(got), np.isnan(want))
         assert (~np.isnan(want)).sum() > 1000
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
-    long = [0, triton_metrics.SORT_MAX + 1]
+    long = [0, triton_metrics.SUMMARY_MAX_ROWS + 1]
     assert not triton_metrics.summaries(torch.zeros(1, 7, 1, long[1], device="cuda"), long, [long[1]], False,
                                         (0.1, 0.5, 0.9), torch.zeros(1, 2, 7, 4, 1, 1, device="cuda"))
 
