@@ -475,6 +475,32 @@ class CaptureEngine:
         if config.stats_dir:
             threading.Thread(target=self._dump_loop, name="attn-otel-stats", daemon=True).start()
 
+    def warm_up(self) -> None:
+        """Compile the Triton kernels the finish path and the stream's flushes launch, for the shapes a text
+        model's requests use, at engine start (each would otherwise compile mid-serving, a stall of seconds
+        on the first request of its shape; Triton's on-disk cache makes later starts quick).  Never raises."""
+        if not self._fused:
+            return
+        t0 = time.perf_counter()
+        try:
+            launches = triton_metrics.warm_up_summaries(self.device)
+            if self.stream is not None:
+                launches += self.stream.warm_up()
+            tapped = [s for s in self.layers if s.index not in self.streamed]
+            if tapped:
+                spec = tapped[0]
+                slots = torch.zeros(1, dtype=torch.int64, device=self.device)
+                cu = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+                for max_tokens in (1, 256):  # both launch configurations
+                    triton_metrics.row_metrics_slots(self.tap.q[spec.index], self.tap.k[spec.index], slots, cu,
+                                                     cu[1:], max_tokens, spec.scale, self.config.sink_tokens)
+                    launches += 1
+            torch.cuda.synchronize(self.device)
+            logger.info("attn-otel: %d metric kernel variants ready in %.1f s", launches, time.perf_counter() - t0)
+        except Exception:  # noqa: BLE001 - a kernel that fails here compiles (or fails) when first used
+            logger.warning("attn-otel: compiling the metric kernels at start failed; they compile when first "
+                           "used", exc_info=True)
+
     def device_bytes(self) -> int:
         """Device memory this engine holds: the Q/K tap and the stream's ring, table and metrics buffer."""
         return self.tap.nbytes() + (self.stream.nbytes() if self.stream is not None else 0)

@@ -93,7 +93,9 @@ if triton is not None:
             vis = vis * alpha + tl.sum(e * vm[None, :], 1)
         return m_new, l_i, h1, s0, sk, vis, ctx, gen
 
-    @triton.jit(do_not_specialize=["KS", "BS", "HEADS", "GROUP", "NHG"])
+    # Output strides are not specialised on (they vary with a launch's row count: a variant per divisibility
+    # would compile mid-serving); Q and K strides are fixed per engine and are.
+    @triton.jit(do_not_specialize=["KS", "BS", "HEADS", "GROUP", "NHG", "so_l", "so_r", "so_m", "so_h"])
     def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, KS, scale, BS, HEADS, GROUP, NHG,
                      sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
                      HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, LAYERED: tl.constexpr,
@@ -211,30 +213,38 @@ if triton is not None:
 
 
     @triton.jit
-    def _kth(key, r):
-        # Order statistics of ``key`` ([BLOCK], non-negative int64 below 2**32): for each rank r[i] (0-based)
-        # the largest value P with at most r[i] keys below it, found bit by bit for every rank at once (32
+    def _kth(key, r, NBITS: tl.constexpr):
+        # Order statistics of ``key`` ([BLOCK], non-negative, below 2**NBITS): for each rank r[i] (0-based)
+        # the largest value P with at most r[i] keys below it, found bit by bit for every rank at once (NBITS
         # counting passes; no sort, so a small kernel to compile).
-        prefix = tl.zeros(r.shape, tl.int64)
-        for bit in range(31, -1, -1):
-            cand = prefix + (tl.full([], 1, tl.int64) << bit)
+        prefix = tl.zeros(r.shape, key.dtype)
+        for bit in range(NBITS - 1, -1, -1):
+            cand = prefix + (tl.full([], 1, key.dtype) << bit)
             below = tl.sum((key[None, :] < cand[:, None]).to(tl.int32), 1)
             prefix = tl.where(below <= r, cand, prefix)
         return prefix
 
     @triton.jit
-    def _unkey(k):
-        # inverse of the order-preserving map float32 bits -> [0, 2**32) below
-        u = tl.where(k >= 2147483648, k - 2147483648, 4294967295 - k)
-        return tl.where(u >= 2147483648, u - 4294967296, u).to(tl.int32).to(tl.float32, bitcast=True)
+    def _unkey(k, NBITS: tl.constexpr):
+        # inverse of the order-preserving map float bits -> [0, 2**NBITS) in _summaries
+        if NBITS == 16:
+            u = tl.where(k >= 32768, k - 32768, 65535 - k)
+            return tl.where(u >= 32768, u - 65536, u).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            u = tl.where(k >= 2147483648, k - 2147483648, 4294967295 - k)
+            return tl.where(u >= 2147483648, u - 4294967296, u).to(tl.int32).to(tl.float32, bitcast=True)
 
-    @triton.jit(do_not_specialize=["nseg"])  # a count that varies per call: no recompile when it is 1 or 16k
+    # Counts and strides that vary per call are not specialised on: no recompile mid-serving when a count is 1
+    # or a row count's divisibility changes.
+    @triton.jit(do_not_specialize=["nseg", "sx_l", "sx_m", "sx_h", "sx_t", "so_b", "so_p", "so_m", "so_s", "so_l",
+                                   "so_h"])
     def _summaries(X, SEG, OUT, nseg, sx_l, sx_m, sx_h, sx_t, so_b, so_p, so_m, so_s, so_l, so_h,
-                   q1, q2, q3, VISION: tl.constexpr, M: tl.constexpr, BLOCK: tl.constexpr):
+                   q1, q2, q3, VISION: tl.constexpr, M: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
         # One program: one segment (a request's prompt or generated rows: SEG[0..3] = request, part, first
         # row, length) of one layer and head; for each metric the part has, the mean of its defined (non-NaN)
-        # rows and NumPy's "linear" quantiles q1..q3 of them.  The order statistics are selected on float32
-        # bits mapped to keys in the floats' order (undefined rows: the largest key, never selected).
+        # rows and NumPy's "linear" quantiles q1..q3 of them.  The order statistics are selected on the floats'
+        # bits mapped to keys in the floats' order (NBITS 16: float16 rows, read as they are; 32: any other
+        # dtype, as float32); undefined rows get the largest key, never selected.
         sg = tl.program_id(0)
         li = tl.program_id(1)
         hi = tl.program_id(2)
@@ -250,28 +260,43 @@ if triton is not None:
             if m == 4 or m == 5:  # the vision metrics: only where some request has an image
                 applies = VISION
             if applies and (m != 6 or part == 1):  # lookback: generated rows only
-                v = tl.load(X + li * sx_l + m * sx_m + hi * sx_h + (start + ar).to(tl.int64) * sx_t, mask=inb,
-                            other=float("nan")).to(tl.float32)
+                raw = tl.load(X + li * sx_l + m * sx_m + hi * sx_h + (start + ar).to(tl.int64) * sx_t, mask=inb,
+                              other=float("nan"))
+                if NBITS == 16:
+                    bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
+                    key = tl.where(bits < 0, -1 - bits, bits + 32768)  # negative floats reversed, below the rest
+                    top = 65535
+                    v = raw.to(tl.float32)
+                else:
+                    v = raw.to(tl.float32)
+                    bits = v.to(tl.int32, bitcast=True).to(tl.int64)
+                    key = tl.where(bits < 0, -1 - bits, bits + 2147483648)
+                    top = 4294967295
                 ok = v == v
+                key = tl.where(ok, key, top)
                 cnt = tl.sum(ok.to(tl.int32), 0)
                 tot = tl.sum(tl.where(ok, v, 0.0), 0)
-                bits = v.to(tl.int32, bitcast=True).to(tl.int64)
-                key = tl.where(bits < 0, -1 - bits, bits + 2147483648)  # negative floats reversed, below the rest
-                key = tl.where(ok, key, 4294967295)
                 last = tl.maximum(cnt - 1, 0)
                 nan = float("nan")
                 tl.store(obase + m * so_m, tl.where(cnt > 0, tot / tl.maximum(cnt, 1).to(tl.float32), nan))
-                # the two order statistics around each quantile's position, all six selected together
-                j = tl.arange(0, 8)
-                qv = tl.where(j < 2, q1, tl.where(j < 4, q2, q3))
+                # each quantile lies between the order statistics lo and lo + 1 of its position: the three lo
+                # are selected together; lo + 1 is lo's own key where more than lo + 1 keys are <= it (ties),
+                # else the least key above it
+                j = tl.arange(0, 4)
+                qv = tl.where(j == 0, q1, tl.where(j == 1, q2, q3))
                 pos = qv * last.to(tl.float64)
                 lo = tl.floor(pos).to(tl.int32)
-                rank = tl.where(j % 2 == 0, lo, tl.minimum(lo + 1, last))
-                vals = _unkey(_kth(key, tl.where(j < 6, rank, 0)))
+                klo = _kth(key, lo, NBITS)
+                le = tl.sum((key[None, :] <= klo[:, None]).to(tl.int32), 1)
+                above = tl.min(tl.where(key[None, :] > klo[:, None], key[None, :], top), 1)
+                khi = tl.where((le > lo + 1) | (lo >= last), klo, above)
+                va = _unkey(klo, NBITS)
+                vb = _unkey(khi, NBITS)
+                frac = (pos - lo.to(tl.float64)).to(tl.float32)
                 for qi in tl.static_range(3):
-                    a = tl.sum(tl.where(j == 2 * qi, vals, 0.0), 0)
-                    bv = tl.sum(tl.where(j == 2 * qi + 1, vals, 0.0), 0)
-                    t = tl.sum(tl.where(j == 2 * qi, (pos - lo.to(tl.float64)).to(tl.float32), 0.0), 0)
+                    a = tl.sum(tl.where(j == qi, va, 0.0), 0)
+                    bv = tl.sum(tl.where(j == qi, vb, 0.0), 0)
+                    t = tl.sum(tl.where(j == qi, frac, 0.0), 0)
                     val = tl.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
                     tl.store(obase + m * so_m + (qi + 1) * so_s, tl.where(cnt > 0, val, nan))
 
@@ -357,8 +382,27 @@ def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], visi
         seg = upload(np.asarray(items, dtype=np.int64).T.copy(), per_row.device)
         _summaries[(len(items), L, H)](
             per_row, seg, out, len(items), *per_row.stride(), *out.stride(), *quantiles,
-            VISION=bool(vision), M=M, BLOCK=block, num_warps=4)
+            VISION=bool(vision), M=M, NBITS=16 if per_row.dtype == torch.float16 else 32, BLOCK=block,
+            num_warps=4)
     return True
+
+
+def warm_up_summaries(device: torch.device) -> int:
+    """Compile :func:`summaries`' kernel for every length bucket, float16 and float32 rows, no vision (the
+    variants a text model's finishes use), by running it on a few rows: at engine start, not mid-serving.
+    Returns the number of launches."""
+    if not available(device):
+        return 0
+    launches = 0
+    block = 16
+    while block <= SUMMARY_MAX_ROWS:
+        for dtype in (torch.float16, torch.float32):
+            rows = torch.zeros((1, 7, 1, 2 * block), dtype=dtype, device=device)  # two parts of ``block`` rows
+            out = torch.empty((1, 2, 7, 4, 1, 1), dtype=torch.float32, device=device)
+            summaries(rows, [0, 2 * block], [block], False, (0.1, 0.5, 0.9), out)
+            launches += 1
+        block *= 2
+    return launches
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
@@ -396,7 +440,8 @@ def row_metrics_slots(q_tap: torch.Tensor, k_tap: torch.Tensor, slots: torch.Ten
         vm = vc = out  # unused pointers
     zeros = torch.zeros(B, dtype=torch.int32, device=q_tap.device)
     _launch(q_tap, slots, cu_tokens, zeros, k_tap[:, None], slots, cu_tokens, prompt_lens, vm if has_vision else None,
-            vc, out, out.stride(2), out.stride(0), out.stride(1), False, max_tokens, scale, sink_tokens)
+            vc, out, out.stride(2), out.stride(0), out.stride(1), False, max_tokens, scale, sink_tokens,
+            max_keys=max_tokens)
     return out
 
 
@@ -404,7 +449,7 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
                        key_cache: torch.Tensor, key_slots: torch.Tensor, cu_keys: torch.Tensor,
                        prompt_lens: torch.Tensor, max_rows: int, scale: float, sink_tokens: int,
                        vision_mask: torch.Tensor | None, vision_count: torch.Tensor | None,
-                       out: torch.Tensor) -> torch.Tensor:
+                       out: torch.Tensor, max_keys: int | None = None) -> torch.Tensor:
     """Rows of several live requests, each against its keys in vLLM's paged cache, into a per-slot buffer.
 
     Request b's query rows are positions ``first[b] ..`` (``cu_rows[b+1] - cu_rows[b]`` of them) at rows
@@ -413,9 +458,10 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     strides: a view of vLLM's KV cache, or a tap viewed with block size 1); ``e`` is the last row's
     position + 1.  Row i's metrics go to ``out[slot of position i, metric, head]`` (``out [S, 7, Hq]``,
     float16 or float32).  ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the
-    number of vision keys up to each row (``cu_rows``).  Enqueued on the current stream, no host sync."""
+    number of vision keys up to each row (``cu_rows``); ``max_keys`` the longest request's key count, where
+    known.  Enqueued on the current stream, no host sync."""
     _launch(q_ring, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens)
+            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens, max_keys=max_keys)
     return out
 
 
@@ -423,13 +469,14 @@ def row_metrics_stream_layers(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_row
                               first: torch.Tensor, key_caches: list[torch.Tensor], key_offsets: torch.Tensor,
                               key_slots: torch.Tensor, cu_keys: torch.Tensor, prompt_lens: torch.Tensor,
                               max_rows: int, scale: float, sink_tokens: int, vision_mask: torch.Tensor | None,
-                              vision_count: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+                              vision_count: torch.Tensor | None, out: torch.Tensor,
+                              max_keys: int | None = None) -> torch.Tensor:
     """:func:`row_metrics_stream` for every layer of ``q_ring [L, R, Hq, D]`` and ``out [L, S, 7, Hq]`` in one
     launch: layer l's keys are ``key_caches[l]`` (one shape, dtype and strides), which lies
     ``key_offsets[l]`` elements from ``key_caches[0]`` (see :func:`key_offsets`)."""
     _launch(q_ring[0], q_rows, cu_rows, first, key_caches[0], key_slots, cu_keys, prompt_lens, vision_mask,
             vision_count, out[0], out.stride(1), out.stride(2), out.stride(3), True, max_rows, scale, sink_tokens,
-            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)))
+            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)), max_keys=max_keys)
     return out
 
 
@@ -460,21 +507,26 @@ def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
 
 
 # Launch configuration: query rows per program (heads x rows), keys per tile, warps, pipeline stages.  The
-# defaults are the fastest of bench/flush_kernel.py's sweep on an H100 (docs/benchmarks/stream/); settable
-# there for the sweep.
+# fastest of bench/flush_kernel.py's sweeps on an H100 (docs/benchmarks/stream/, run9/flush_kernel-shapes.json):
+# launches of many rows per request against short keys (a flush of 512-token prompts, the tapped layers at a
+# short request's finish) take 128-row programs, 32-key tiles and 8 warps (32 x 512 rows: 0.34 ms, not 0.50;
+# 32 x 768: 0.62, not 0.80); the rest (decode flushes, long prompts, a finish's last rows) 64-row programs
+# and 128-key tiles.  Settable in CONFIG for the sweep.
 CONFIG: dict[str, int] = {}
 
 
-def _config(hg: int, d: int) -> tuple[int, int, int, int]:
-    block_m = int(CONFIG.get("block_m", 64))
+def _config(hg: int, d: int, max_rows: int, max_keys: int | None) -> tuple[int, int, int, int]:
+    short = d <= 128 and max_rows >= 256 and max_keys is not None and max_keys <= 1024
+    block_m = int(CONFIG.get("block_m", 128 if short else 64))
     block_r = max(16, block_m // hg)
-    return (block_r, int(CONFIG.get("block_n", 128 if d <= 128 else 64)), int(CONFIG.get("num_warps", 4)),
-            int(CONFIG.get("num_stages", 2)))
+    block_n = int(CONFIG.get("block_n", 32 if short else 128 if d <= 128 else 64))
+    return block_r, block_n, int(CONFIG.get("num_warps", 8 if short else 4)), int(CONFIG.get("num_stages", 2))
 
 
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None) -> None:
-    """``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
+            out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None, max_keys=None) -> None:
+    """``max_keys``: the longest request's key count, where known (it picks the launch configuration).
+    ``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
     are then layer 0's, ``key_cache`` layer 0's cache and ``key_offsets`` each layer's element offset from
     it, int64 on the device)."""
     hq, d = q.shape[1], q.shape[2]
@@ -484,7 +536,7 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
     vm = vision_mask if has_vision else out  # unused pointers
     vc = vision_count if has_vision else out
     heads, hg = _heads_per_program(hq, hkv)
-    block_r, block_n, warps, stages = _config(hg, d)
+    block_r, block_n, warps, stages = _config(hg, d, int(max_rows), max_keys)
     n_layers, koff, sq_l, so_l = layers if layers is not None else (1, out, 0, 0)
     grid = (triton.cdiv(max(int(max_rows), 1), block_r), n_layers * (hq // heads), B)
     _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out, koff,

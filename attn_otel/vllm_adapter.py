@@ -419,6 +419,7 @@ def _install(runner, kv_cache_config) -> None:
     for spec in specs:
         _tap_layer(engine, spec, layers[spec.name])
     _ENGINES.append(engine)
+    engine.warm_up()
     logger.info("attn-otel: tap of %.1f MiB for %d slots; store %s", engine.tap.nbytes() / 2**20, num_slots,
                 config.store)
 

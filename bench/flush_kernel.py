@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import itertools
 import json
 import os
@@ -28,6 +29,8 @@ SHAPES = {
     "decode 256x64 at 640": (256, 640, 64, 512),
     "prefill 2x8192": (2, 0, 8192, 8192),
     "finish 256x2 at 766": (256, 766, 2, 512),
+    "prefill 32x768": (32, 0, 768, 512),
+    "prefill 8x2048": (8, 0, 2048, 2048),
 }
 
 
@@ -55,12 +58,15 @@ def _inputs(reqs: int, first: int, n: int, prompt: int, device="cuda"):
 
 
 def _time(mod, args, reps: int) -> float:
-    mod.row_metrics_stream(*args)  # compile, warm
+    kw = {}
+    if "max_keys" in inspect.signature(mod.row_metrics_stream).parameters:  # it picks the launch config
+        kw["max_keys"] = int(args[3][0].item()) + int(args[8])  # first row's position + rows
+    mod.row_metrics_stream(*args, **kw)  # compile, warm
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
-        mod.row_metrics_stream(*args)
+        mod.row_metrics_stream(*args, **kw)
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / reps
@@ -79,6 +85,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--module", action="append", default=[], help="another triton_metrics.py to time")
+    ap.add_argument("--configs", help="JSON list of launch configurations to try (instead of --sweep's grid)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = ap.parse_args(argv)
@@ -91,6 +98,8 @@ def main(argv=None) -> int:
     if args.sweep:
         configs += [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
                     for m, n, w, s in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
+    if args.configs:
+        configs += json.loads(args.configs)
     for label, path in mods:
         mod = _load(path)
         for cfg in (configs if path is None else [{}]):

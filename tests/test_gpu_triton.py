@@ -102,7 +102,9 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
     """The finish-time summary on a GPU (one Triton program selects the quantiles of each part of a layer and
     head, bit by bit) equals device_summaries' torch code on the same rows: float16 rows read through the
     stream's strided gather view, parts from 1 to 2048 rows (several length buckets), NaN rows, a metric with
-    no defined row, vision metrics on some rows, and a part longer than SUMMARY_MAX_ROWS left to torch."""
+    no defined row, vision metrics on some rows, a metric with many ties (the order statistic after a
+    quantile's lower one is then the same key), negative values, and a part longer than SUMMARY_MAX_ROWS
+    left to torch."""
     import numpy as np
 
     from attn_otel import triton_metrics
@@ -111,8 +113,10 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
     g = torch.Generator(device="cuda").manual_seed(11)
     L, M, H = 5, 7, 8
     Ts, Ns = [1, 9, 40, 700, 2048, 300], [1, 9, 25, 512, 1500, 0]
-    base = torch.rand(L, sum(Ts), M, H, device="cuda", generator=g).to(dtype)
+    base = (torch.rand(L, sum(Ts), M, H, device="cuda", generator=g) - 0.3).to(dtype)
     rows = base.permute(0, 2, 3, 1)
+    rows[:, 0] = torch.round(rows[:, 0] * 4) / 4
+    rows[:, 1] = -rows[:, 1].abs()
     rows[:, 2:4, :, ::3] = float("nan")
     rows[:, 4:6] = float("nan")
     rows[:, 4:6, :, 60:90] = torch.rand(L, 2, H, 30, device="cuda", generator=g).to(dtype)
@@ -134,23 +138,25 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
 
 def test_all_layers_in_one_launch_equal_one_launch_per_layer():
     """The stream's flush of every layer in one launch (each layer's keys in its own allocation, reached by
-    its element offset from the first, which may be negative) gives the per-layer launches' metrics."""
+    its element offset from the first, which may be negative) gives the per-layer launches' metrics; with the
+    longest request's key count given (a flush of 400 prompt rows: the short-request launch configuration) the
+    same metrics up to float16 rounding."""
     from attn_otel import triton_metrics as tm
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    L, R, H, Hkv, D, NB, BS = 4, 256, 32, 8, 128, 64, 16
+    L, R, H, Hkv, D, NB, BS = 4, 1024, 32, 8, 128, 64, 16
     S = NB * BS
     q = (torch.randn(L, R + 1, H, D, device="cuda", generator=g) * 1.5).bfloat16()
     caches = [(torch.randn(NB, BS, Hkv, D, device="cuda", generator=g) * 1.5).bfloat16() for _ in range(L)]
     caches = caches[::-1]  # later allocations first: negative offsets
     perm = torch.randperm(S, device="cuda", generator=g)
-    T, first = [300, 200, 41], [250, 0, 40]
+    T, first = [300, 200, 41, 400], [250, 0, 40, 0]
     counts = [t - f for t, f in zip(T, first)]
-    keys = torch.cat([perm[sum(T[:i]):sum(T[:i + 1])] for i in range(3)])
+    keys = torch.cat([perm[sum(T[:i]):sum(T[:i + 1])] for i in range(len(T))])
     rows = torch.randperm(R, device="cuda", generator=g)[:sum(counts)]
     cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     fst = torch.tensor(first, dtype=torch.int32, device="cuda")
-    prompt = torch.tensor([260, 100, 41], dtype=torch.int32, device="cuda")
+    prompt = torch.tensor([260, 100, 41, 300], dtype=torch.int32, device="cuda")
     want = torch.full((L, S + 1, 7, H), float("nan"), device="cuda", dtype=torch.float16)
     for li in range(L):
         tm.row_metrics_stream(q[li], rows, cu(counts), fst, caches[li], keys, cu(T), prompt, max(counts),
@@ -163,4 +169,10 @@ def test_all_layers_in_one_launch_equal_one_launch_per_layer():
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert (~torch.isnan(want)).sum() > 10000
     assert torch.equal(got, want) or torch.allclose(got.float(), want.float(), atol=1e-3, equal_nan=True)
+    assert tm._config(4, D, max(counts), max(T)) != tm._config(4, D, max(counts), None)
+    short = torch.full_like(want, float("nan"))
+    tm.row_metrics_stream_layers(q, rows, cu(counts), fst, caches, torch.tensor(offs, device="cuda"), keys, cu(T),
+                                 prompt, max(counts), D ** -0.5, 4, None, None, short, max_keys=max(T))
+    assert torch.equal(torch.isnan(short), torch.isnan(want))
+    assert torch.allclose(short.float(), want.float(), rtol=4e-3, atol=1e-3, equal_nan=True)
     assert tm.key_offsets([caches[0], caches[1].float()]) is None
