@@ -255,11 +255,14 @@ if triton is not None:
         ar = tl.arange(0, BLOCK)
         inb = ar < n
         obase = OUT + b * so_b + part * so_p + li * so_l + hi * so_h
-        for m in tl.static_range(M):
-            applies = True
-            if m == 4 or m == 5:  # the vision metrics: only where some request has an image
-                applies = VISION
-            if applies and (m != 6 or part == 1):  # lookback: generated rows only
+        # a loop, not unrolled: one copy of the selection code (unrolled per metric it took 40 s to compile
+        # for 2048-row buckets)
+        for m in range(M):
+            if VISION:
+                wanted = (m != 6) | (part == 1)  # lookback: generated rows only
+            else:  # the vision metrics only where some request has an image
+                wanted = (m != 4) & (m != 5) & ((m != 6) | (part == 1))
+            if wanted:
                 raw = tl.load(X + li * sx_l + m * sx_m + hi * sx_h + (start + ar).to(tl.int64) * sx_t, mask=inb,
                               other=float("nan"))
                 if NBITS == 16:

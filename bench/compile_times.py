@@ -1,0 +1,34 @@
+"""Seconds to compile each metric kernel variant the engine warms up (GPU; a fresh Triton cache)."""
+
+import os
+import sys
+import tempfile
+import time
+
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from attn_otel import triton_metrics as tm  # noqa: E402
+
+dev = torch.device("cuda")
+block = 16
+while block <= tm.SUMMARY_MAX_ROWS:
+    for dtype in (torch.float16, torch.float32):
+        rows = torch.zeros((1, 7, 1, 2 * block), dtype=dtype, device=dev)
+        out = torch.empty((1, 2, 7, 4, 1, 1), dtype=torch.float32, device=dev)
+        t = time.perf_counter()
+        tm.summaries(rows, [0, 2 * block], [block], False, (0.1, 0.5, 0.9), out)
+        torch.cuda.synchronize()
+        print(f"summaries block {block} {dtype}: {time.perf_counter() - t:.2f} s", flush=True)
+    block *= 2
+H, HKV, D = 32, 8, 128
+q = torch.zeros(64, H, D, dtype=torch.bfloat16, device=dev)
+k = torch.zeros(64, HKV, D, dtype=torch.bfloat16, device=dev)
+slots = torch.zeros(1, dtype=torch.int64, device=dev)
+cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+for mt in (1, 256):
+    t = time.perf_counter()
+    tm.row_metrics_slots(q, k, slots, cu, cu[1:], mt, D ** -0.5, 4)
+    torch.cuda.synchronize()
+    print(f"row_metrics_slots max_tokens {mt}: {time.perf_counter() - t:.2f} s", flush=True)
