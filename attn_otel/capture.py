@@ -491,10 +491,10 @@ class CaptureEngine:
                 spec = tapped[0]
                 slots = torch.zeros(1, dtype=torch.int64, device=self.device)
                 cu = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
-                for max_tokens in (1, 256):  # both launch configurations
-                    triton_metrics.row_metrics_slots(self.tap.q[spec.index], self.tap.k[spec.index], slots, cu,
-                                                     cu[1:], max_tokens, spec.scale, self.config.sink_tokens)
-                    launches += 1
+                prompt = torch.ones(1, dtype=torch.int32, device=self.device)  # its own (aligned) allocation
+                triton_metrics.row_metrics_slots(self.tap.q[spec.index], self.tap.k[spec.index], slots, cu, prompt,
+                                                 1, spec.scale, self.config.sink_tokens)
+                launches += 1
             torch.cuda.synchronize(self.device)
             logger.info("attn-otel: %d metric kernel variants ready in %.1f s", launches, time.perf_counter() - t0)
         except Exception:  # noqa: BLE001 - a kernel that fails here compiles (or fails) when first used

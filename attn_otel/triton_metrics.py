@@ -255,14 +255,11 @@ if triton is not None:
         ar = tl.arange(0, BLOCK)
         inb = ar < n
         obase = OUT + b * so_b + part * so_p + li * so_l + hi * so_h
-        # a loop, not unrolled: one copy of the selection code (unrolled per metric it took 40 s to compile
-        # for 2048-row buckets)
-        for m in range(M):
-            if VISION:
-                wanted = (m != 6) | (part == 1)  # lookback: generated rows only
-            else:  # the vision metrics only where some request has an image
-                wanted = (m != 4) & (m != 5) & ((m != 6) | (part == 1))
-            if wanted:
+        for m in tl.static_range(M):
+            applies = True
+            if m == 4 or m == 5:  # the vision metrics: only where some request has an image
+                applies = VISION
+            if applies and (m != 6 or part == 1):  # lookback: generated rows only
                 raw = tl.load(X + li * sx_l + m * sx_m + hi * sx_h + (start + ar).to(tl.int64) * sx_t, mask=inb,
                               other=float("nan"))
                 if NBITS == 16:
@@ -282,24 +279,17 @@ if triton is not None:
                 last = tl.maximum(cnt - 1, 0)
                 nan = float("nan")
                 tl.store(obase + m * so_m, tl.where(cnt > 0, tot / tl.maximum(cnt, 1).to(tl.float32), nan))
-                # each quantile lies between the order statistics lo and lo + 1 of its position: the three lo
-                # are selected together; lo + 1 is lo's own key where more than lo + 1 keys are <= it (ties),
-                # else the least key above it
-                j = tl.arange(0, 4)
-                qv = tl.where(j == 0, q1, tl.where(j == 1, q2, q3))
+                # the two order statistics around each quantile's position, all six selected together
+                j = tl.arange(0, 8)
+                qv = tl.where(j < 2, q1, tl.where(j < 4, q2, q3))
                 pos = qv * last.to(tl.float64)
                 lo = tl.floor(pos).to(tl.int32)
-                klo = _kth(key, lo, NBITS)
-                le = tl.sum((key[None, :] <= klo[:, None]).to(tl.int32), 1)
-                above = tl.min(tl.where(key[None, :] > klo[:, None], key[None, :], top), 1)
-                khi = tl.where((le > lo + 1) | (lo >= last), klo, above)
-                va = _unkey(klo, NBITS)
-                vb = _unkey(khi, NBITS)
-                frac = (pos - lo.to(tl.float64)).to(tl.float32)
+                rank = tl.where(j % 2 == 0, lo, tl.minimum(lo + 1, last))
+                vals = _unkey(_kth(key, tl.where(j < 6, rank, 0), NBITS), NBITS)
                 for qi in tl.static_range(3):
-                    a = tl.sum(tl.where(j == qi, va, 0.0), 0)
-                    bv = tl.sum(tl.where(j == qi, vb, 0.0), 0)
-                    t = tl.sum(tl.where(j == qi, frac, 0.0), 0)
+                    a = tl.sum(tl.where(j == 2 * qi, vals, 0.0), 0)
+                    bv = tl.sum(tl.where(j == 2 * qi + 1, vals, 0.0), 0)
+                    t = tl.sum(tl.where(j == 2 * qi, (pos - lo.to(tl.float64)).to(tl.float32), 0.0), 0)
                     val = tl.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
                     tl.store(obase + m * so_m + (qi + 1) * so_s, tl.where(cnt > 0, val, nan))
 
@@ -443,8 +433,7 @@ def row_metrics_slots(q_tap: torch.Tensor, k_tap: torch.Tensor, slots: torch.Ten
         vm = vc = out  # unused pointers
     zeros = torch.zeros(B, dtype=torch.int32, device=q_tap.device)
     _launch(q_tap, slots, cu_tokens, zeros, k_tap[:, None], slots, cu_tokens, prompt_lens, vm if has_vision else None,
-            vc, out, out.stride(2), out.stride(0), out.stride(1), False, max_tokens, scale, sink_tokens,
-            max_keys=max_tokens)
+            vc, out, out.stride(2), out.stride(0), out.stride(1), False, max_tokens, scale, sink_tokens)
     return out
 
 
@@ -511,10 +500,10 @@ def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
 
 # Launch configuration: query rows per program (heads x rows), keys per tile, warps, pipeline stages.  The
 # fastest of bench/flush_kernel.py's sweeps on an H100 (docs/benchmarks/stream/, run9/flush_kernel-shapes.json):
-# launches of many rows per request against short keys (a flush of 512-token prompts, the tapped layers at a
-# short request's finish) take 128-row programs, 32-key tiles and 8 warps (32 x 512 rows: 0.34 ms, not 0.50;
-# 32 x 768: 0.62, not 0.80); the rest (decode flushes, long prompts, a finish's last rows) 64-row programs
-# and 128-key tiles.  Settable in CONFIG for the sweep.
+# stream flushes of many rows per request against short keys (512-token prompts) take 128-row programs,
+# 32-key tiles and 8 warps (32 x 512 rows: 0.34 ms, not 0.50; 32 x 768: 0.62, not 0.80); the rest (decode
+# flushes, long prompts, a finish's last rows, the tapped layers at finish) 64-row programs and 128-key
+# tiles.  Settable in CONFIG for the sweep.
 CONFIG: dict[str, int] = {}
 
 
