@@ -155,9 +155,9 @@ class MetricsStream:
         return self.rows - self._nfree
 
     def warm_up(self) -> int:
-        """Compile the flush kernel's launch configurations (a decode-like flush and a short request's
-        prompt) by running each on one row: the padding ring row against the key at slot 0, whose metrics
-        entry is reset after.  At engine start, before any request; returns the number of launches."""
+        """Compile the flush kernel by running it on one row: the padding ring row against the key at slot 0,
+        whose metrics entry is reset after.  At engine start, before any request; returns the number of
+        launches."""
         if not self._fused:
             return 0
         up = self._up
@@ -165,21 +165,18 @@ class MetricsStream:
         one = np.asarray([0, 1], dtype=np.int32)
         rows_d, cu_d, first_d, prompt_d = up(np.asarray([self.rows], dtype=np.int64)), up(one), up(z), up(one[1:])
         keys_d = up(np.zeros(1, dtype=np.int64))
-        launches = 0
-        for max_rows, max_keys in ((1, None), (256, 256)):
-            if self._layered is not None:
-                caches, offs = self._layered
-                triton_metrics.row_metrics_stream_layers(
-                    self.q, rows_d, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, max_rows,
-                    self.layers[0].scale, self.sink_tokens, None, None, self.metrics, max_keys=max_keys)
-            else:
-                spec = self.layers[0]
-                triton_metrics.row_metrics_stream(
-                    self.q[0], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, max_rows,
-                    spec.scale, self.sink_tokens, None, None, self.metrics[0], max_keys=max_keys)
-            launches += 1
+        if self._layered is not None:
+            caches, offs = self._layered
+            triton_metrics.row_metrics_stream_layers(
+                self.q, rows_d, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, 1, self.layers[0].scale,
+                self.sink_tokens, None, None, self.metrics)
+        else:
+            spec = self.layers[0]
+            triton_metrics.row_metrics_stream(
+                self.q[0], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
+                self.sink_tokens, None, None, self.metrics[0])
         self.metrics[:, 0].fill_(float("nan"))
-        return launches
+        return 1
 
     # ------------------------------------------------------------------ in the forward (graph-safe)
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -359,7 +356,6 @@ class MetricsStream:
         cu_rows[1:] = np.cumsum(counts)
         cu_keys = np.zeros(len(counts) + 1, dtype=np.int32)
         cu_keys[1:] = np.cumsum([len(k) for k in key_slots])
-        max_keys = max(len(k) for k in key_slots)
         timed = self.device.type == "cuda"
         if timed:
             self._poll_timing()
@@ -375,13 +371,13 @@ class MetricsStream:
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
                 self.q, rows_d, cu_rows_d, first_d, caches, offs, keys_d, cu_keys_d, prompt_d, max(counts),
-                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics, max_keys=max_keys)
+                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics)
         else:
             for spec in self.layers:
                 li = self.pos[spec.index]
                 triton_metrics.row_metrics_stream(
                     self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
-                    max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li], max_keys=max_keys)
+                    max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

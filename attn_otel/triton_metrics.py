@@ -441,7 +441,7 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
                        key_cache: torch.Tensor, key_slots: torch.Tensor, cu_keys: torch.Tensor,
                        prompt_lens: torch.Tensor, max_rows: int, scale: float, sink_tokens: int,
                        vision_mask: torch.Tensor | None, vision_count: torch.Tensor | None,
-                       out: torch.Tensor, max_keys: int | None = None) -> torch.Tensor:
+                       out: torch.Tensor) -> torch.Tensor:
     """Rows of several live requests, each against its keys in vLLM's paged cache, into a per-slot buffer.
 
     Request b's query rows are positions ``first[b] ..`` (``cu_rows[b+1] - cu_rows[b]`` of them) at rows
@@ -450,10 +450,9 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     strides: a view of vLLM's KV cache, or a tap viewed with block size 1); ``e`` is the last row's
     position + 1.  Row i's metrics go to ``out[slot of position i, metric, head]`` (``out [S, 7, Hq]``,
     float16 or float32).  ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the
-    number of vision keys up to each row (``cu_rows``); ``max_keys`` the longest request's key count, where
-    known.  Enqueued on the current stream, no host sync."""
+    number of vision keys up to each row (``cu_rows``).  Enqueued on the current stream, no host sync."""
     _launch(q_ring, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens, max_keys=max_keys)
+            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens)
     return out
 
 
@@ -461,14 +460,13 @@ def row_metrics_stream_layers(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_row
                               first: torch.Tensor, key_caches: list[torch.Tensor], key_offsets: torch.Tensor,
                               key_slots: torch.Tensor, cu_keys: torch.Tensor, prompt_lens: torch.Tensor,
                               max_rows: int, scale: float, sink_tokens: int, vision_mask: torch.Tensor | None,
-                              vision_count: torch.Tensor | None, out: torch.Tensor,
-                              max_keys: int | None = None) -> torch.Tensor:
+                              vision_count: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """:func:`row_metrics_stream` for every layer of ``q_ring [L, R, Hq, D]`` and ``out [L, S, 7, Hq]`` in one
     launch: layer l's keys are ``key_caches[l]`` (one shape, dtype and strides), which lies
     ``key_offsets[l]`` elements from ``key_caches[0]`` (see :func:`key_offsets`)."""
     _launch(q_ring[0], q_rows, cu_rows, first, key_caches[0], key_slots, cu_keys, prompt_lens, vision_mask,
             vision_count, out[0], out.stride(1), out.stride(2), out.stride(3), True, max_rows, scale, sink_tokens,
-            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)), max_keys=max_keys)
+            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)))
     return out
 
 
@@ -499,26 +497,22 @@ def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
 
 
 # Launch configuration: query rows per program (heads x rows), keys per tile, warps, pipeline stages.  The
-# fastest of bench/flush_kernel.py's sweeps on an H100 (docs/benchmarks/stream/, run9/flush_kernel-shapes.json):
-# stream flushes of many rows per request against short keys (512-token prompts) take 128-row programs,
-# 32-key tiles and 8 warps (32 x 512 rows: 0.34 ms, not 0.50; 32 x 768: 0.62, not 0.80); the rest (decode
-# flushes, long prompts, a finish's last rows, the tapped layers at finish) 64-row programs and 128-key
-# tiles.  Settable in CONFIG for the sweep.
+# defaults are the fastest of bench/flush_kernel.py's sweep on an H100 (docs/benchmarks/stream/); settable
+# there for the sweep.  (Per-shape configurations, faster for a 32 x 512-row flush alone, measured slower in
+# the serving benchmark: docs/benchmarks/run9/.)
 CONFIG: dict[str, int] = {}
 
 
-def _config(hg: int, d: int, max_rows: int, max_keys: int | None) -> tuple[int, int, int, int]:
-    short = d <= 128 and max_rows >= 256 and max_keys is not None and max_keys <= 1024
-    block_m = int(CONFIG.get("block_m", 128 if short else 64))
+def _config(hg: int, d: int) -> tuple[int, int, int, int]:
+    block_m = int(CONFIG.get("block_m", 64))
     block_r = max(16, block_m // hg)
-    block_n = int(CONFIG.get("block_n", 32 if short else 128 if d <= 128 else 64))
-    return block_r, block_n, int(CONFIG.get("num_warps", 8 if short else 4)), int(CONFIG.get("num_stages", 2))
+    return (block_r, int(CONFIG.get("block_n", 128 if d <= 128 else 64)), int(CONFIG.get("num_warps", 4)),
+            int(CONFIG.get("num_stages", 2)))
 
 
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None, max_keys=None) -> None:
-    """``max_keys``: the longest request's key count, where known (it picks the launch configuration).
-    ``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
+            out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None) -> None:
+    """``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
     are then layer 0's, ``key_cache`` layer 0's cache and ``key_offsets`` each layer's element offset from
     it, int64 on the device)."""
     hq, d = q.shape[1], q.shape[2]
@@ -528,7 +522,7 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
     vm = vision_mask if has_vision else out  # unused pointers
     vc = vision_count if has_vision else out
     heads, hg = _heads_per_program(hq, hkv)
-    block_r, block_n, warps, stages = _config(hg, d, int(max_rows), max_keys)
+    block_r, block_n, warps, stages = _config(hg, d)
     n_layers, koff, sq_l, so_l = layers if layers is not None else (1, out, 0, 0)
     grid = (triton.cdiv(max(int(max_rows), 1), block_r), n_layers * (hq // heads), B)
     _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out, koff,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import itertools
 import json
 import os
@@ -58,15 +57,12 @@ def _inputs(reqs: int, first: int, n: int, prompt: int, device="cuda"):
 
 
 def _time(mod, args, reps: int) -> float:
-    kw = {}
-    if "max_keys" in inspect.signature(mod.row_metrics_stream).parameters:  # it picks the launch config
-        kw["max_keys"] = int(args[3][0].item()) + int(args[8])  # first row's position + rows
-    mod.row_metrics_stream(*args, **kw)  # compile, warm
+    mod.row_metrics_stream(*args)  # compile, warm
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
-        mod.row_metrics_stream(*args, **kw)
+        mod.row_metrics_stream(*args)
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / reps

@@ -138,9 +138,7 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
 
 def test_all_layers_in_one_launch_equal_one_launch_per_layer():
     """The stream's flush of every layer in one launch (each layer's keys in its own allocation, reached by
-    its element offset from the first, which may be negative) gives the per-layer launches' metrics; with the
-    longest request's key count given (a flush of 400 prompt rows: the short-request launch configuration) the
-    same metrics up to float16 rounding."""
+    its element offset from the first, which may be negative) gives the per-layer launches' metrics."""
     from attn_otel import triton_metrics as tm
 
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -169,10 +167,4 @@ def test_all_layers_in_one_launch_equal_one_launch_per_layer():
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     assert (~torch.isnan(want)).sum() > 10000
     assert torch.equal(got, want) or torch.allclose(got.float(), want.float(), atol=1e-3, equal_nan=True)
-    assert tm._config(4, D, max(counts), max(T)) != tm._config(4, D, max(counts), None)
-    short = torch.full_like(want, float("nan"))
-    tm.row_metrics_stream_layers(q, rows, cu(counts), fst, caches, torch.tensor(offs, device="cuda"), keys, cu(T),
-                                 prompt, max(counts), D ** -0.5, 4, None, None, short, max_keys=max(T))
-    assert torch.equal(torch.isnan(short), torch.isnan(want))
-    assert torch.allclose(short.float(), want.float(), rtol=4e-3, atol=1e-3, equal_nan=True)
     assert tm.key_offsets([caches[0], caches[1].float()]) is None
