@@ -1,4 +1,7 @@
-"""Seconds to compile each metric kernel variant the engine warms up (GPU; a fresh Triton cache)."""
+"""Seconds to compile each metric kernel variant the engine warms up (GPU; a fresh Triton cache).
+
+    python3 bench/compile_times.py
+"""
 
 import os
 import sys
@@ -27,8 +30,8 @@ q = torch.zeros(64, H, D, dtype=torch.bfloat16, device=dev)
 k = torch.zeros(64, HKV, D, dtype=torch.bfloat16, device=dev)
 slots = torch.zeros(1, dtype=torch.int64, device=dev)
 cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-for mt in (1, 256):
-    t = time.perf_counter()
-    tm.row_metrics_slots(q, k, slots, cu, cu[1:], mt, D ** -0.5, 4)
-    torch.cuda.synchronize()
-    print(f"row_metrics_slots max_tokens {mt}: {time.perf_counter() - t:.2f} s", flush=True)
+prompt = torch.ones(1, dtype=torch.int32, device=dev)
+t = time.perf_counter()
+tm.row_metrics_slots(q, k, slots, cu, prompt, 1, D ** -0.5, 4)
+torch.cuda.synchronize()
+print(f"row_metrics_slots: {time.perf_counter() - t:.2f} s", flush=True)

@@ -102,9 +102,8 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
     """The finish-time summary on a GPU (one Triton program selects the quantiles of each part of a layer and
     head, bit by bit) equals device_summaries' torch code on the same rows: float16 rows read through the
     stream's strided gather view, parts from 1 to 2048 rows (several length buckets), NaN rows, a metric with
-    no defined row, vision metrics on some rows, a metric with many ties (the order statistic after a
-    quantile's lower one is then the same key), negative values, and a part longer than SUMMARY_MAX_ROWS
-    left to torch."""
+    no defined row, vision metrics on some rows, a metric with many ties, a negative one, and a part longer
+    than SUMMARY_MAX_ROWS left to torch."""
     import numpy as np
 
     from attn_otel import triton_metrics
