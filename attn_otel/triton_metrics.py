@@ -380,22 +380,28 @@ def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], visi
     return True
 
 
+def summary_buckets() -> list[int]:
+    """The part-length buckets :func:`summaries` launches a kernel variant for: 16, 32, .. SUMMARY_MAX_ROWS."""
+    return [1 << k for k in range(4, SUMMARY_MAX_ROWS.bit_length())]
+
+
+def warm_up_summary(block: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile (by running it on two parts of ``block`` rows) :func:`summaries`' kernel for one bucket and
+    row dtype, no vision."""
+    rows = torch.zeros((1, 7, 1, 2 * block), dtype=dtype, device=device)
+    out = torch.empty((1, 2, 7, 4, 1, 1), dtype=torch.float32, device=device)
+    summaries(rows, [0, 2 * block], [block], False, (0.1, 0.5, 0.9), out)
+
+
 def warm_up_summaries(device: torch.device) -> int:
     """Compile :func:`summaries`' kernel for every length bucket, float16 and float32 rows, no vision (the
-    variants a text model's finishes use), by running it on a few rows: at engine start, not mid-serving.
-    Returns the number of launches."""
+    variants a text model's finishes use): at engine start, not mid-serving.  Returns the number of launches."""
     if not available(device):
         return 0
-    launches = 0
-    block = 16
-    while block <= SUMMARY_MAX_ROWS:
-        for dtype in (torch.float16, torch.float32):
-            rows = torch.zeros((1, 7, 1, 2 * block), dtype=dtype, device=device)  # two parts of ``block`` rows
-            out = torch.empty((1, 2, 7, 4, 1, 1), dtype=torch.float32, device=device)
-            summaries(rows, [0, 2 * block], [block], False, (0.1, 0.5, 0.9), out)
-            launches += 1
-        block *= 2
-    return launches
+    variants = [(block, dtype) for block in summary_buckets() for dtype in (torch.float16, torch.float32)]
+    for block, dtype in variants:
+        warm_up_summary(block, dtype, device)
+    return len(variants)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:

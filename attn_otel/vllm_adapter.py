@@ -524,13 +524,11 @@ def _track(runner, engine, so) -> None:
         if t is None or t.written <= 0:
             continue
         done.append((req_id, t))
-    finished = []
-    if done:
-        for (req_id, t), (outputs, device_ids) in zip(done, _output_tokens(runner, [r for r, _ in done])):
-            finished.append(FinishedRequest(
-                request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
-                num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes,
-                extra_args=t.extra_args, vision_positions=t.vision_positions, token_ids_device=device_ids))
+    finished = [FinishedRequest(
+        request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
+        num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes, extra_args=t.extra_args,
+        vision_positions=t.vision_positions, token_ids_device=device_ids)
+        for (req_id, t), (outputs, device_ids) in zip(done, _output_tokens(runner, [r for r, _ in done]))]
     if finished:
         engine.on_finished_many(finished)
     if stream is not None:

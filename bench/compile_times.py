@@ -15,16 +15,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attn_otel import triton_metrics as tm  # noqa: E402
 
 dev = torch.device("cuda")
-block = 16
-while block <= tm.SUMMARY_MAX_ROWS:
+for block in tm.summary_buckets():
     for dtype in (torch.float16, torch.float32):
-        rows = torch.zeros((1, 7, 1, 2 * block), dtype=dtype, device=dev)
-        out = torch.empty((1, 2, 7, 4, 1, 1), dtype=torch.float32, device=dev)
         t = time.perf_counter()
-        tm.summaries(rows, [0, 2 * block], [block], False, (0.1, 0.5, 0.9), out)
+        tm.warm_up_summary(block, dtype, dev)
         torch.cuda.synchronize()
         print(f"summaries block {block} {dtype}: {time.perf_counter() - t:.2f} s", flush=True)
-    block *= 2
 H, HKV, D = 32, 8, 128
 q = torch.zeros(64, H, D, dtype=torch.bfloat16, device=dev)
 k = torch.zeros(64, HKV, D, dtype=torch.bfloat16, device=dev)

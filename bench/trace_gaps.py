@@ -70,19 +70,14 @@ def analyse(events: list[dict], top: int = 25) -> str:
         label = f">= {lo / 1e3:g} ms" if hi == float("inf") else f"{lo:g}-{hi:g} us"
         out.append(f"  {label:>12}: {len(sel):7d} gaps, {sum(sel) / 1e3:9.1f} ms")
     # gaps by the device op on either side: which op the GPU waits before (launched late), or after
-    before, after = collections.Counter(), collections.Counter()
-    nb, na = collections.Counter(), collections.Counter()
-    for g, _, _, p, n in gaps:
-        before[n[:60]] += g
-        nb[n[:60]] += 1
-        after[p[:60]] += g
-        na[p[:60]] += 1
-    out.append("")
-    out.append("idle time (all gaps) by the device op that ends the gap:")
-    out += [f"  {t / 1e3:9.1f} ms in {nb[k]:6d} gaps before {k!r}" for k, t in before.most_common(12)]
-    out.append("")
-    out.append("idle time (all gaps) by the device op that starts the gap:")
-    out += [f"  {t / 1e3:9.1f} ms in {na[k]:6d} gaps after {k!r}" for k, t in after.most_common(12)]
+    for side, word, pick in (("ends", "before", lambda p, n: n), ("starts", "after", lambda p, n: p)):
+        idle, count = collections.Counter(), collections.Counter()
+        for g, _, _, p, n in gaps:
+            idle[pick(p, n)[:60]] += g
+            count[pick(p, n)[:60]] += 1
+        out.append("")
+        out.append(f"idle time (all gaps) by the device op that {side} the gap:")
+        out += [f"  {t / 1e3:9.1f} ms in {count[k]:6d} gaps {word} {k!r}" for k, t in idle.most_common(12)]
     out.append("")
     out.append("idle time (gaps >= 0.2 ms) by the innermost host function at the gap's middle, per thread:")
     out += [f"  {t / 1e3:9.1f} ms  tid {tid}  {name}" for (tid, name), t in blame.most_common(top)]
