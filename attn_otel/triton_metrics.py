@@ -6,10 +6,11 @@ slot index (one launch per layer for all the requests that finish in a step, no 
 alive on the device but the small ``[7, Hq, T]`` result); :func:`row_metrics` is the same kernel on
 contiguous ``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]``.  NaN where a metric is undefined.
 
-Each program takes a block of query rows of one head of one layer and walks its causal keys once, keeping
-the running max and, relative to it, the sum of exp and the entropy, sink, vision and lookback sums (all
-rescaled when the max grows, as FlashAttention keeps its softmax).  Logits are float32 accumulations of the model's own bf16/fp16
-Q and K, like the attention kernels vLLM runs.
+Each program takes a block of query rows of the query heads sharing one KV head of one layer and walks
+their causal keys once, keeping the running max and, relative to it, the sum of exp and the entropy, vision
+and lookback sums (all rescaled when the max grows, as FlashAttention keeps its softmax); the sink sums come
+after, from the first keys again with the final max.  Logits are float32 accumulations of the model's own
+bf16/fp16 Q and K, like the attention kernels vLLM runs.
 """
 
 from __future__ import annotations
@@ -31,15 +32,17 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile(q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
-              m_i, l_i, h1, s0, sk, vis, ctx, gen,
-              HAS_VISION: tl.constexpr, MASKED: tl.constexpr, CTX: tl.constexpr, SINK: tl.constexpr,
+    def _tile(q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+              m_i, l_i, h1, vis, ctx, gen,
+              HAS_VISION: tl.constexpr, MASKED: tl.constexpr, CTX: tl.constexpr,
               D: tl.constexpr, BLOCK_N: tl.constexpr):
         # One tile of BLOCK_N keys against the program's rows, folded into the online sums (base 2: s is the
         # logit times log2(e), every sum is relative to the running max m_i and rescaled when it grows).
+        # m_i starts at -1e30, not -inf, so the first tile needs no case of its own (alpha = 0, and
+        # shift * l_i = 0); a masked key's logit is -1e30 too, which exp2 sends to 0 (e * d = 0, not NaN).
+        # Every row's first tile holds key 0, so no row meets a tile of masked keys before a real max.
         # MASKED: the tile may hold keys after a row (causal) or past T; else every key is <= every row.
         # CTX: 0 every key is at or after the prompt (generated), 1 every key is in the prompt, 2 either.
-        # SINK: the tile may hold the first KS keys.
         cols = kstart + tl.arange(0, BLOCK_N)
         dd = tl.arange(0, D)
         if MASKED:
@@ -50,31 +53,17 @@ if triton is not None:
             scol = tl.load(KSL + kstart0 + cols)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :])
-        s = tl.dot(q, tl.trans(kt)) * c
+        s = tl.dot(q, tl.trans(kt))  # the logits; c > 0 scales them to base 2 in the one FMA that gives d
         if MASKED:
-            valid = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T)
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.where(m_i == float("-inf"), 0.0, tl.exp2(m_i - m_safe))
-            shift = tl.where(m_i == float("-inf"), 0.0, m_i - m_safe)
-            d = tl.where(valid, s - m_safe[:, None], 0.0)
-            e = tl.where(valid, tl.exp2(d), 0.0)
-        else:  # a tile after the first: every row's max is finite already
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            shift = m_i - m_new
-            d = s - m_new[:, None]
-            e = tl.exp2(d)
+            s = tl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] < T), s, -1e30)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * c)
+        alpha = tl.exp2(m_i - m_new)
+        shift = m_i - m_new
+        d = s * c - m_new[:, None]
+        e = tl.exp2(d)
         tile_l = tl.sum(e, 1)
         h1 = alpha * (h1 + shift * l_i) + tl.sum(e * d, 1)
         l_i = l_i * alpha + tile_l
-        if SINK:
-            s0 = s0 * alpha + tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
-            sk = sk * alpha + tl.sum(tl.where(cols[None, :] < KS, e, 0.0), 1)
-        else:
-            s0 = s0 * alpha
-            sk = sk * alpha
         if CTX == 1:
             ctx = ctx * alpha + tile_l
             gen = gen * alpha
@@ -91,7 +80,7 @@ if triton is not None:
         if HAS_VISION:
             vm = tl.load(VM + kstart0 + cols, mask=cols < T, other=0.0)
             vis = vis * alpha + tl.sum(e * vm[None, :], 1)
-        return m_new, l_i, h1, s0, sk, vis, ctx, gen
+        return m_new, l_i, h1, vis, ctx, gen
 
     # Output strides are not specialised on (they vary with a launch's row count: a variant per divisibility
     # would compile mid-serving); Q and K strides are fixed per engine and are.
@@ -139,42 +128,49 @@ if triton is not None:
         c = scale * 1.4426950408889634  # logits in base 2
         r0 = a + pid_m * BLOCK_R  # the block's first row
         hi = tl.minimum(r0 + BLOCK_R, T)  # keys needed: up to the block's last row
-        P = tl.cdiv(KS, BLOCK_N) * BLOCK_N  # tiles holding sink keys: masked, with the sink sums
-        lo = tl.maximum((r0 + 1) // BLOCK_N * BLOCK_N, P)  # [P, lo): keys at or before every row
-        nf = tl.minimum(tl.maximum(N // BLOCK_N * BLOCK_N, P), lo)  # [P, nf): prompt keys only
+        lo = (r0 + 1) // BLOCK_N * BLOCK_N  # [0, lo): keys at or before every row
+        nf = tl.minimum(N // BLOCK_N * BLOCK_N, lo)  # [0, nf): prompt keys only
         nc = tl.minimum(tl.maximum(tl.cdiv(N, BLOCK_N) * BLOCK_N, nf), lo)  # [nf, nc): the prompt's end
         koff = kvh * sk_h
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        m_i = tl.full([BLOCK_M], -1e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         h1 = tl.zeros([BLOCK_M], tl.float32)
-        s0 = tl.zeros([BLOCK_M], tl.float32)
-        sk = tl.zeros([BLOCK_M], tl.float32)
         vis = tl.zeros([BLOCK_M], tl.float32)
         ctx = tl.zeros([BLOCK_M], tl.float32)
         gen = tl.zeros([BLOCK_M], tl.float32)
-        # Loops with no branch inside (a branch per tile costs the loop its software pipelining): the sink
-        # tiles and the diagonal tiles are masked; the tiles in between are not, and only the one holding the
-        # prompt's end sorts keys into prompt and generated.
-        for kstart in range(0, tl.minimum(P, hi), BLOCK_N):
-            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, True, 2, True, D, BLOCK_N)
-        for kstart in range(P, nf, BLOCK_N):
-            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, False, 1, False, D, BLOCK_N)
+        # Loops with no branch inside (a branch per tile costs the loop its software pipelining): the diagonal
+        # tiles are masked; the tiles before them are not, and only the one holding the prompt's end sorts
+        # keys into prompt and generated.
+        for kstart in range(0, nf, BLOCK_N):
+            m_i, l_i, h1, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 1, D, BLOCK_N)
         for kstart in range(nf, nc, BLOCK_N):
-            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, False, 2, False, D, BLOCK_N)
+            m_i, l_i, h1, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 2, D, BLOCK_N)
         for kstart in range(nc, lo, BLOCK_N):
-            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, False, 0, False, D, BLOCK_N)
+            m_i, l_i, h1, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 0, D, BLOCK_N)
         for kstart in range(lo, hi, BLOCK_N):
-            m_i, l_i, h1, s0, sk, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, KS, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, s0, sk, vis, ctx, gen, HAS_VISION, True, 2, False, D, BLOCK_N)
+            m_i, l_i, h1, vis, ctx, gen = _tile(
+                q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, True, 2, D, BLOCK_N)
+        # The sink sums, once the max is final: the first KS keys again, in tiles of 16 (not a running sum
+        # carried through every tile; rows before KS get NaN, so every sink key here is at or before its row).
+        s0 = tl.zeros([BLOCK_M], tl.float32)
+        sk = tl.zeros([BLOCK_M], tl.float32)
+        for kstart in range(0, tl.minimum(KS, T), 16):
+            cols = kstart + tl.arange(0, 16)
+            ok = (cols < KS) & (cols < T)
+            scol = tl.load(KSL + kstart0 + cols, mask=ok, other=0)
+            kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
+            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=ok[:, None], other=0.0)
+            e = tl.exp2(tl.dot(q, tl.trans(kt)) * c - m_i[:, None])
+            e = tl.where(ok[None, :] & (cols[None, :] <= rows[:, None]), e, 0.0)
+            s0 += tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
+            sk += tl.sum(e, 1)
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
         # entropy in nats: ln l - ln2 * sum e (s - m) / l, the sums in base 2
         ent = tl.maximum(tl.log(tl.where(l_i > 0, l_i, 1.0)) - 0.6931471805599453 * h1 * inv, 0.0)
@@ -503,14 +499,14 @@ def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
 
 
 # Launch configuration: query rows per program (heads x rows), keys per tile, warps, pipeline stages.  The
-# defaults are the fastest of bench/flush_kernel.py's sweep on an H100 (docs/benchmarks/stream/); settable
-# there for the sweep.  (Per-shape configurations, faster for a 32 x 512-row flush alone, measured slower in
+# defaults are the fastest of bench/flush_kernel.py's sweep on an H100 (docs/benchmarks/run10/: 128 rows per
+# program, 32 of each of 4 heads, once the sink sums left the key loop); settable there for the sweep.  (Per-shape configurations, faster for a 32 x 512-row flush alone, measured slower in
 # the serving benchmark: docs/benchmarks/run9/.)
 CONFIG: dict[str, int] = {}
 
 
 def _config(hg: int, d: int) -> tuple[int, int, int, int]:
-    block_m = int(CONFIG.get("block_m", 64))
+    block_m = int(CONFIG.get("block_m", 128))
     block_r = max(16, block_m // hg)
     return (block_r, int(CONFIG.get("block_n", 128 if d <= 128 else 64)), int(CONFIG.get("num_warps", 4)),
             int(CONFIG.get("num_stages", 2)))
