@@ -34,7 +34,7 @@ from .metrics import summary_only
 from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent,
                   traceparent_sampled)
 from .store import CapturePart, CaptureRecord
-from .stream import MetricsStream, slots_of, upload
+from .stream import MetricsStream, Side, slots_of, upload
 
 logger = logging.getLogger("attn_otel")
 
@@ -185,6 +185,9 @@ class RequestTracker:
 
     def finish(self, req_id: str) -> _Tracked | None:
         return self._reqs.pop(req_id, None)
+
+    def get(self, req_id: str) -> _Tracked | None:
+        return self._reqs.get(req_id)
 
 
 class Stats:
@@ -437,6 +440,8 @@ class CaptureEngine:
         # Streamed layers (attn_otel.stream) have no Q/K tap: their rows are computed while requests run.
         self.stream = stream
         self.streamed = frozenset(stream.pos) if stream is not None else frozenset()
+        # Finish-time device work runs on a second stream, beside the next forward (see attn_otel.stream.Side).
+        self.side = stream.side if stream is not None else Side(device)
         tapped = [s for s in self.layers if s.index not in self.streamed]
         self.tap = QKTap(tapped, num_slots, dtype, device)
         # Layers a maps capture covers (the whole model's, under pipeline parallelism): the tapped ones.
@@ -525,6 +530,20 @@ class CaptureEngine:
         """Capture the requests that finished this step.  Never raises: a failure is logged once and
         counted.  On a GPU, metrics-only captures are batched: one fused kernel launch per layer reads
         every such request's rows straight out of the tap (see :meth:`_metrics_from_tap`)."""
+        side = self.side
+        side.begin()  # after the forwards that wrote these requests' rows
+        if side.stream is not None:
+            for req in reqs:  # allocated on the engine's stream, read on the side stream
+                if req.token_ids_device is not None and req.token_ids_device.is_cuda:
+                    req.token_ids_device.record_stream(side.stream)
+        with side.context():
+            self._on_finished_many(reqs)
+        # Their blocks go back to vLLM now: a forward that writes one waits for this work (Side.guard).
+        seq = side.mark()
+        for req in reqs:
+            side.taken_back(req.block_ids, seq, req.num_tokens, req.block_sizes)
+
+    def _on_finished_many(self, reqs: Sequence[FinishedRequest]) -> None:
         batch: list[tuple[FinishedRequest, dict[str, Any]]] = []
         for req in reqs:
             try:
@@ -773,7 +792,7 @@ class CaptureEngine:
             self.handoff.put(job)
             if rec.part is None or rec.part.index == 0:  # a parallel capture counts once, on its first part
                 self.stats.add("captured")
-            self._device_release(info["device"])  # stream order: the next step's writes come after the kernels
+            self._device_release(info["device"])  # a forward writes these slots only after the kernels (Side)
             self.stats.loop_times.append(loop / len(batch) + (t0 - info["t0"]))
 
     def _options(self, req: FinishedRequest) -> RequestOptions:
@@ -1122,7 +1141,8 @@ class CaptureEngine:
             snap = self.stats.snapshot(percentiles=True)
             snap.update(queue_pending_bytes=self.handoff.pending_bytes, device_queue_pending_bytes=self._device_bytes,
                         tap_bytes=self.device_bytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
-                        tap_bytes_per_token=self.bytes_per_token(), finish_device_s=self.finish_device_s)
+                        tap_bytes_per_token=self.bytes_per_token(), finish_device_s=self.finish_device_s,
+                        side_stream_waits=self.side.waits)
             st = self.stream
             if st is not None:
                 snap.update(streamed_layers=sorted(self.streamed), stream_rows=st.rows, stream_flushes=st.flushes,

@@ -27,6 +27,7 @@ slots.  Maps need every query at finish, so map layers keep the tap (see ``ATTN_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -72,13 +73,138 @@ def slots_of(block_ids: Sequence[int], block_size: int, start: int, n: int) -> n
     return np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 
 
+class Side:
+    """A second CUDA stream for capture work, so that the engine's next forward runs beside it, not after it.
+
+    The stream's flushes and the finish-time kernels read the query ring, the taps and vLLM's KV cache; the
+    forwards on the engine's stream write them.  :meth:`begin` (each step, before any capture work) makes the
+    side stream wait for the forwards enqueued so far, so capture work reads what they wrote.  The engine's
+    stream waits for capture work only where a forward would overwrite what it still reads:
+
+    * ring rows that a flush freed (the stream reuses them once the flush is known done, or waits for it);
+    * KV-cache blocks (and the taps' slots in them) of finished or preempted requests, which vLLM can hand to
+      another request: :meth:`reading` records which capture work reads them, :meth:`guard` makes the engine's
+      stream wait before a forward writes one of them.
+
+    Work is numbered by :meth:`mark` (an event on the side stream); the side stream runs in order, so work
+    ``n`` done means all work before it is done.  Off a GPU everything is synchronous and this does nothing.
+    """
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._events: list[tuple[int, Any]] = []  # (seq, event) not yet known done, in order
+        self._seq = 0
+        self._safe = 0  # work up to this number is done, or the engine's stream already waits for it
+        self._busy: dict[int, np.ndarray] = {}  # KV-cache group -> per block the last work reading it
+        self._busy_max = 0
+        self.waits = 0  # times the engine's stream had to wait for capture work
+
+    def begin(self) -> None:
+        """Before this step's capture work: it comes after the forwards enqueued so far."""
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def context(self):
+        """Enqueue on the side stream (a no-op off a GPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def mark(self) -> int:
+        """Number the capture work enqueued so far (0 off a GPU: done already)."""
+        if self.stream is None:
+            return 0
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self._seq += 1
+        self._events.append((self._seq, ev))
+        return self._seq
+
+    def safe(self, seq: int) -> bool:
+        """Whether the engine's stream may overwrite what work ``seq`` reads (never a sync)."""
+        if seq <= self._safe:
+            return True
+        while self._events and self._events[0][1].query():
+            self._safe = max(self._safe, self._events.pop(0)[0])
+        return seq <= self._safe
+
+    def wait(self, seq: int) -> None:
+        """Make the engine's stream wait for work ``seq`` (no host sync)."""
+        if self.safe(seq):
+            return
+        ev = next(e for n, e in self._events if n >= seq)
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        self.waits += 1
+        self._safe = max(self._safe, seq)
+        self._events = [(n, e) for n, e in self._events if n > seq]
+
+    def reading(self, group: int, blocks: np.ndarray, seq: int) -> None:
+        """Work ``seq`` reads these KV-cache blocks of ``group``."""
+        if seq == 0 or blocks.size == 0:
+            return
+        busy = self._busy.get(group)
+        top = int(blocks.max()) + 1
+        if busy is None or busy.shape[0] < top:
+            grown = np.zeros(max(top, 2 * (0 if busy is None else busy.shape[0])), dtype=np.int64)
+            if busy is not None:
+                grown[: busy.shape[0]] = busy
+            busy = self._busy[group] = grown
+        busy[blocks] = seq
+        self._busy_max = seq
+
+    def taken_back(self, block_ids: Sequence[Sequence[int]], seq: int, tokens: int | None = None,
+                   block_sizes: Sequence[int] = ()) -> None:
+        """A request's blocks (per group; with ``tokens``, those holding its first ``tokens``) go back to
+        vLLM while work ``seq`` still reads them."""
+        for group, blocks in enumerate(block_ids or ()):
+            if tokens is not None:
+                bs = block_sizes[group] if group < len(block_sizes) else block_sizes[0]
+                blocks = blocks[:-(-int(tokens) // bs)]
+            self.reading(group, np.asarray(blocks, dtype=np.int64), seq)
+
+    def guard_items(self, items: Sequence[tuple[str, Any, int, int]], block_sizes: Sequence[int]) -> None:
+        """Before a forward of these ``(request id, tracked, first position, count)``: :meth:`guard` on the
+        blocks its tokens are written to."""
+        if not self.busy():
+            return
+        writes: dict[int, list[np.ndarray]] = {}
+        for _, t, start, n in items:
+            if n <= 0:
+                continue
+            for g, blocks in enumerate(t.block_ids):
+                bs = block_sizes[g] if g < len(block_sizes) else block_sizes[0]
+                writes.setdefault(g, []).append(np.asarray(blocks[start // bs:(start + n - 1) // bs + 1],
+                                                           dtype=np.int64))
+        self.guard(writes)
+
+    def busy(self) -> bool:
+        """Whether capture work may still read blocks vLLM took back (never a sync)."""
+        return self._busy_max > 0 and not self.safe(self._busy_max)
+
+    def guard(self, writes: dict[int, list[np.ndarray]]) -> None:
+        """Before a forward that writes these blocks (per group): wait for capture work still reading one."""
+        if not self.busy():
+            return
+        need = 0
+        for group, parts in writes.items():
+            busy = self._busy.get(group)
+            if busy is None or not parts:
+                continue
+            blocks = np.concatenate(parts)
+            blocks = blocks[blocks < busy.shape[0]]
+            if blocks.size:
+                need = max(need, int(busy[blocks].max()))
+        if need:
+            self.wait(need)
+
+
 class MetricsStream:
     """Query ring, slot table and per-slot metrics buffer of the streamed layers (all in one KV-cache group,
     of one shape).  Host methods run on the engine loop; the device work they enqueue is stream-ordered with
     the forwards."""
 
     def __init__(self, layers: Sequence[Any], num_slots: int, rows: int, dtype: torch.dtype, device,
-                 block_size: int, sink_tokens: int = 4, key_caches: dict[int, torch.Tensor] | None = None):
+                 block_size: int, sink_tokens: int = 4, key_caches: dict[int, torch.Tensor] | None = None,
+                 side: Side | None = None):
         if not layers:
             raise ValueError("a stream needs at least one layer")
         shapes = {(s.num_heads, s.num_kv_heads, s.head_dim, s.group) for s in layers}
@@ -91,6 +217,7 @@ class MetricsStream:
         self.num_slots, self.rows, self.block_size = S, R, int(block_size)
         self.sink_tokens = int(sink_tokens)
         self.device = torch.device(device)
+        self.side = side if side is not None else Side(self.device)  # flushes run beside the forwards
         self.q = torch.zeros((L, R + 1, H, D), dtype=dtype, device=device)  # row R absorbs padded tokens
         self.metrics = torch.full((L, S + 1, len(METRICS), H), float("nan"), dtype=torch.float16, device=device)
         self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)  # slot S: padding
@@ -118,6 +245,8 @@ class MetricsStream:
         # slot the owner of its pending row (-1: none)
         self._free = np.arange(R - 1, -1, -1, dtype=np.int64)
         self._nfree = R
+        self._inflight: list[tuple[int, np.ndarray]] = []  # rows a flush still reads: (its work number, rows)
+        self._ninflight = 0
         self._row_owner = np.full(R, -1, dtype=np.int64)
         self._row_pos = np.zeros(R, dtype=np.int64)
         self._row_slot = np.zeros(R, dtype=np.int64)
@@ -152,7 +281,22 @@ class MetricsStream:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def pending(self) -> int:
-        return self.rows - self._nfree
+        """Rows given to tokens and not flushed yet."""
+        return self.rows - self._nfree - self._ninflight
+
+    def _reclaim(self, wait: bool = False) -> None:
+        """Free the rows of flushes that are done (with ``wait``: of every flush, the engine's stream waiting
+        for them: a forward after this writes them only once the flush has read them)."""
+        if not self._inflight:
+            return
+        if wait:
+            self.side.wait(self._inflight[-1][0])
+        while self._inflight and self.side.safe(self._inflight[0][0]):
+            rows = self._inflight.pop(0)[1]
+            n = rows.shape[0]
+            self._free[self._nfree:self._nfree + n] = rows
+            self._nfree += n
+            self._ninflight -= n
 
     def warm_up(self) -> int:
         """Compile the flush kernel by running it on one row: the padding ring row against the key at slot 0,
@@ -220,8 +364,14 @@ class MetricsStream:
             total += n
         if stale:
             self.flush(stale)
-        if total > self._nfree:
+        self._reclaim()
+        # Flush at half the ring, so the steps after it have rows while it runs beside their forwards; or when
+        # this step does not fit, waiting for it then.
+        if total > self._nfree or self.pending() >= self.rows // 2:
             self.flush([lv for lv in self._live.values() if lv.count])
+            self._reclaim()
+        if total > self._nfree:
+            self._reclaim(wait=True)
         if total > self._nfree:  # a step larger than the ring: cannot happen with rows >= max_num_batched_tokens
             for live in lives:
                 live.lost = True
@@ -331,18 +481,26 @@ class MetricsStream:
         if vision_any:
             vm_parts = [np.zeros(len(ks), dtype=np.float32) if vm is None else vm for vm, ks in zip(vm_parts, key_slots)]
             vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
+        seq = 0
         if self._fused:
-            self._flush_fused(firsts, counts, rows, key_slots, prompt, vm_parts if vision_any else None,
-                              vc_parts if vision_any else None)
+            with self.side.context():
+                self._flush_fused(firsts, counts, rows, key_slots, prompt, vm_parts if vision_any else None,
+                                  vc_parts if vision_any else None)
+                seq = self.side.mark()
         else:
             self._flush_torch(firsts, counts, rows, starts, key_slots, prompt, vm_parts if vision_any else None)
-        # the rows are computed (stream order): free them; their slots point at the padding row again
+        # Their slots point at the padding row again (on the engine's stream, ordered with the slot table's
+        # other updates); the rows are free once the flush has read them (see _reclaim).
         self.ring_of_slot.index_fill_(0, self._up(row_slots), self.rows)
         self._owner[row_slots] = -1
         self._row_owner[rows] = -1
         n = rows.shape[0]
-        self._free[self._nfree:self._nfree + n] = rows
-        self._nfree += n
+        if seq:
+            self._inflight.append((seq, rows))
+            self._ninflight += n
+        else:
+            self._free[self._nfree:self._nfree + n] = rows
+            self._nfree += n
         for lv in lives:
             lv.count = 0
         self.flushes += 1

@@ -510,11 +510,7 @@ def _track(runner, engine, so) -> None:
 
     tracker = engine.tracker
     stream = engine.stream
-    if stream is not None:
-        # Before this step's forward can reuse their blocks: rows of preempted and finished requests (and of
-        # any request sharing their prefix) are computed now, while their keys are still in the cache.
-        stream.preempt(getattr(so, "preempted_req_ids", None) or ())
-        stream.finish(so.finished_req_ids)
+    side = engine.side
     done = []
     for req_id in so.finished_req_ids:
         if req_id.startswith("_") and "warmup" in req_id:  # vLLM's own start-up warm-up batches
@@ -524,11 +520,25 @@ def _track(runner, engine, so) -> None:
         if t is None or t.written <= 0:
             continue
         done.append((req_id, t))
+    # token ids copied on the engine's stream (the runner reuses their rows); the rest on the side stream
     finished = [FinishedRequest(
         request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
         num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes, extra_args=t.extra_args,
         vision_positions=t.vision_positions, token_ids_device=device_ids)
         for (req_id, t), (outputs, device_ids) in zip(done, _output_tokens(runner, [r for r, _ in done]))]
+    side.begin()
+    preempted = list(getattr(so, "preempted_req_ids", None) or ())
+    if stream is not None:
+        # Before this step's forward can reuse their blocks: rows of preempted and finished requests (and of
+        # any request sharing their prefix) are computed now, while their keys are still in the cache.
+        stream.preempt(preempted)
+        stream.finish(so.finished_req_ids)
+    if preempted:  # their blocks go back to vLLM: a forward that writes one waits for the work reading them
+        seq = side.mark()
+        for req_id in preempted:
+            t = tracker.get(req_id)
+            if t is not None:
+                side.taken_back(t.block_ids, seq)
     if finished:
         engine.on_finished_many(finished)
     if stream is not None:
@@ -550,3 +560,4 @@ def _track(runner, engine, so) -> None:
             items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
     if stream is not None:
         stream.schedule(items)
+    side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads

@@ -45,7 +45,7 @@ class Toy:
     FLASH_ATTN's ``(blocks, Hkv, BS, K|V)`` tensor, as vllm_adapter._key_cache_view takes it), and a stream."""
 
     def __init__(self, rows: int, num_blocks: int = 64, keys_in_cache: bool = True, seed: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", slow: bool = False):
         self.g = torch.Generator().manual_seed(seed)
         self.num_blocks = num_blocks
         self.device = device
@@ -58,6 +58,7 @@ class Toy:
         self.stream = MetricsStream(LAYERS, num_blocks * BS, rows, torch.bfloat16, device, BS, 4, keys)
         self.q, self.k, self.t = {}, {}, {}
         self.free = list(range(num_blocks))[::-1]
+        self.slow = slow  # GPU: every step's capture work starts behind a sleep, far behind the forwards
 
     def new(self, rid, T, prompt_len, share=None, vision=None):
         """A request of T tokens; ``share=(other, n_blocks)`` reuses the other's first blocks (a prefix hit):
@@ -82,17 +83,29 @@ class Toy:
     def step(self, chunks, finished=(), preempted=()):
         """One engine step as the adapter runs it: preempted and finished first, then this step's tokens
         (``(rid, start, n)``) scheduled and "forwarded"."""
+        side = self.stream.side
+        side.begin()
+        if self.slow and side.stream is not None:
+            with side.context():
+                torch.cuda._sleep(20_000_000)  # about 10 ms: far longer than a toy step's host work
         self.stream.preempt(preempted)
         self.stream.finish(finished)
-        got = {r: self.stream.gather(torch.from_numpy(slots_of(self.t[r].block_ids[0], BS, 0,
-                                                               self.t[r].written)).to(self.device))
-               for r in finished}
+        seq = side.mark()
+        for r in [*preempted, *finished]:  # their blocks go back (the toy scheduler may hand them out now)
+            side.taken_back(self.t[r].block_ids, seq)
+        with side.context():  # as the engine gathers at finish, on the side stream
+            got = {r: self.stream.gather(torch.from_numpy(slots_of(self.t[r].block_ids[0], BS, 0,
+                                                                   self.t[r].written)).to(self.device))
+                   for r in finished}
+        if got and side.stream is not None:
+            torch.cuda.current_stream().wait_stream(side.stream)  # check() reads them on this stream
         self.stream.forget(finished)
         items = []
         for rid, start, n in chunks:
             self.t[rid].written = start + n
             items.append((rid, self.t[rid], start, n))
         self.stream.schedule(items)
+        side.guard_items(items, [BS])
         # the forward: one flattened batch, padded with slot -1 as CUDA graphs pad
         slot_list, qs, ks = [], {s.index: [] for s in LAYERS}, {s.index: [] for s in LAYERS}
         for rid, start, n in chunks:
@@ -151,6 +164,7 @@ def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache
     if rows == 16:
         assert toy.stream.flushes >= 4  # 68 rows through a 16-row ring: it filled again and again
     # the ring's rows all came back, and no slot still points at one
+    toy.stream._reclaim(wait=True)
     assert toy.stream._nfree == rows and bool((toy.stream.ring_of_slot == rows).all())
 
 
@@ -302,3 +316,70 @@ def test_a_device_summarised_capture_is_stored_and_read_back(tmp_path):
                                        want["generated"]["lookback_ratio"]["p90"], rtol=1e-5)
         finally:
             eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [16, 64])
+def test_capture_work_far_behind_the_forwards_reads_what_they_wrote(rows):
+    """Every step's capture work (flushes, finish gathers) starts behind a sleep on the side stream, so the
+    toy's forwards run far ahead of it: ring rows a flush frees, and blocks of preempted or finished
+    requests, are rewritten only after the work reading them (attn_otel.stream.Side)."""
+    toy = Toy(rows, device="cuda", slow=True)
+    reqs = [("a", 13), ("b", 7), ("c", 21)]
+    for rid, T0 in reqs:
+        toy.new(rid, T0 + 9, prompt_len=T0)
+    got = _run_decode(toy, reqs, 9)
+    for rid, _ in reqs:
+        toy.check(rid, got[rid])
+    if rows == 16:
+        assert toy.stream.side.waits > 0  # the ring filled while flushes were still queued
+    # a preempted request's blocks go to another request in the same step
+    toy.new("p", 14, prompt_len=10)
+    toy.step([("p", 0, 10)])
+    toy.step([("p", 10, 1)])
+    old = list(toy.t["p"].block_ids[0])
+    toy.free.extend(old[::-1])
+    toy.new("x", 12, prompt_len=12)
+    assert set(toy.t["x"].block_ids[0]) & set(old)
+    toy.step([("x", 0, 12)], preempted=["p"])
+    toy.t["p"].block_ids[0] = [toy.free.pop() for _ in range(4)]
+    toy.step([("p", 0, 11)])
+    for p in (11, 12):
+        toy.step([("p", p, 1)])
+    got = toy.step([], finished=["p", "x"])
+    toy.check("p", got["p"])
+    toy.check("x", got["x"])
+
+
+@pytest.mark.gpu
+def test_the_guard_waits_only_for_blocks_still_read():
+    """Capture work queued far behind on the side stream reads block 3.  A forward's write to it overtakes
+    the read unless :meth:`Side.guard` made the engine's stream wait; a write elsewhere needs no wait."""
+    from attn_otel.stream import Side
+
+    side = Side("cuda")
+    buf = torch.zeros(8, 1024, device="cuda")
+
+    def capture():
+        side.begin()
+        with side.context():
+            torch.cuda._sleep(50_000_000)
+            seen = buf[3].clone()
+        side.taken_back([[3]], side.mark())
+        return seen
+
+    seen = capture()  # no guard: the write lands before the read (what the guard is for)
+    buf[3].fill_(1.0)
+    torch.cuda.synchronize()
+    assert seen.sum().item() > 0
+    buf.zero_()
+    torch.cuda.synchronize()
+    seen = capture()
+    side.guard({0: [np.array([5, 6])]})
+    assert side.waits == 0 and side.busy()
+    side.guard({0: [np.array([2, 3])]})
+    assert side.waits == 1
+    buf[3].fill_(1.0)
+    torch.cuda.synchronize()
+    assert seen.sum().item() == 0
+    assert not side.busy()
