@@ -151,15 +151,21 @@ def _run_decode(toy, reqs, decode_steps):
     return toy.step([], finished=[rid for rid, _ in reqs])
 
 
-@pytest.mark.parametrize("rows, keys_in_cache", [(16, True), (64, True), (1000, True), (16, False)])
-def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache, device):
-    toy = Toy(rows, keys_in_cache=keys_in_cache, device=device)
+def _three_requests(toy):
+    """Three requests (13, 7 and 21 prompt tokens, 9 generated) through prefill chunks and decode steps;
+    every row right at finish."""
     reqs = [("a", 13), ("b", 7), ("c", 21)]
     for rid, T0 in reqs:
         toy.new(rid, T0 + 9, prompt_len=T0)
     got = _run_decode(toy, reqs, 9)
     for rid, _ in reqs:
         toy.check(rid, got[rid])
+
+
+@pytest.mark.parametrize("rows, keys_in_cache", [(16, True), (64, True), (1000, True), (16, False)])
+def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache, device):
+    toy = Toy(rows, keys_in_cache=keys_in_cache, device=device)
+    _three_requests(toy)
     assert toy.stream.pending() == 0
     if rows == 16:
         assert toy.stream.flushes >= 4  # 68 rows through a 16-row ring: it filled again and again
@@ -183,27 +189,32 @@ def test_a_prefix_hit_on_a_live_requests_pending_rows(device):
     toy.check("a", got["a"])
 
 
-def test_preemption_flushes_before_the_blocks_go(device):
-    """A preempted request's pending rows are computed in the step that frees its blocks; its recomputation
-    later lands in new blocks; every row at finish is right."""
-    toy = Toy(rows=1000, num_blocks=16, device=device)
-    toy.new("a", 14, prompt_len=10)
-    toy.step([("a", 0, 10)])
-    toy.step([("a", 10, 1)])
-    old_blocks = list(toy.t["a"].block_ids[0])
+def _run_preemption(toy, rid="a"):
+    """``rid`` is preempted after 11 tokens; its blocks go to request x in that very step's forward; it
+    resumes in fresh blocks, recomputed from 0; both finish and every row is right."""
+    toy.new(rid, 14, prompt_len=10)
+    toy.step([(rid, 0, 10)])
+    toy.step([(rid, 10, 1)])
+    old_blocks = list(toy.t[rid].block_ids[0])
     # preempted: blocks freed this step (and another request may write into them in this very forward)
     toy.free.extend(old_blocks[::-1])
     toy.new("x", 12, prompt_len=12)
     assert set(toy.t["x"].block_ids[0]) & set(old_blocks)
-    toy.step([("x", 0, 12)], preempted=["a"])
+    toy.step([("x", 0, 12)], preempted=[rid])
     # resumed into fresh blocks, recomputed from 0
-    toy.t["a"].block_ids[0] = [toy.free.pop() for _ in range(4)]
-    toy.step([("a", 0, 11)])
-    toy.step([("a", 11, 1)])
-    toy.step([("a", 12, 1)])
-    got = toy.step([], finished=["a", "x"])
-    toy.check("a", got["a"])
+    toy.t[rid].block_ids[0] = [toy.free.pop() for _ in range(4)]
+    toy.step([(rid, 0, 11)])
+    toy.step([(rid, 11, 1)])
+    toy.step([(rid, 12, 1)])
+    got = toy.step([], finished=[rid, "x"])
+    toy.check(rid, got[rid])
     toy.check("x", got["x"])
+
+
+def test_preemption_flushes_before_the_blocks_go(device):
+    """A preempted request's pending rows are computed in the step that frees its blocks; its recomputation
+    later lands in new blocks; every row at finish is right."""
+    _run_preemption(Toy(rows=1000, num_blocks=16, device=device))
 
 
 def test_vision_positions_reach_the_streamed_rows(device):
@@ -325,30 +336,10 @@ def test_capture_work_far_behind_the_forwards_reads_what_they_wrote(rows):
     toy's forwards run far ahead of it: ring rows a flush frees, and blocks of preempted or finished
     requests, are rewritten only after the work reading them (attn_otel.stream.Side)."""
     toy = Toy(rows, device="cuda", slow=True)
-    reqs = [("a", 13), ("b", 7), ("c", 21)]
-    for rid, T0 in reqs:
-        toy.new(rid, T0 + 9, prompt_len=T0)
-    got = _run_decode(toy, reqs, 9)
-    for rid, _ in reqs:
-        toy.check(rid, got[rid])
+    _three_requests(toy)
     if rows == 16:
         assert toy.stream.side.waits > 0  # the ring filled while flushes were still queued
-    # a preempted request's blocks go to another request in the same step
-    toy.new("p", 14, prompt_len=10)
-    toy.step([("p", 0, 10)])
-    toy.step([("p", 10, 1)])
-    old = list(toy.t["p"].block_ids[0])
-    toy.free.extend(old[::-1])
-    toy.new("x", 12, prompt_len=12)
-    assert set(toy.t["x"].block_ids[0]) & set(old)
-    toy.step([("x", 0, 12)], preempted=["p"])
-    toy.t["p"].block_ids[0] = [toy.free.pop() for _ in range(4)]
-    toy.step([("p", 0, 11)])
-    for p in (11, 12):
-        toy.step([("p", p, 1)])
-    got = toy.step([], finished=["p", "x"])
-    toy.check("p", got["p"])
-    toy.check("x", got["x"])
+    _run_preemption(toy, "p")  # a preempted request's blocks go to another request in the same step
 
 
 @pytest.mark.gpu
