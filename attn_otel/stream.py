@@ -483,6 +483,7 @@ class MetricsStream:
             vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
         seq = 0
         if self._fused:
+            self.side.begin()  # after the forwards that wrote the rows (callers begin each step too)
             with self.side.context():
                 self._flush_fused(firsts, counts, rows, key_slots, prompt, vm_parts if vision_any else None,
                                   vc_parts if vision_any else None)

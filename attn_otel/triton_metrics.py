@@ -241,9 +241,12 @@ if triton is not None:
         # rows and NumPy's "linear" quantiles q1..q3 of them.  The order statistics are selected on the floats'
         # bits mapped to keys in the floats' order (NBITS 16: float16 rows, read as they are; 32: any other
         # dtype, as float32); undefined rows get the largest key, never selected.
-        sg = tl.program_id(0)
+        # Heads vary fastest across programs: neighbouring programs read neighbouring elements where the rows
+        # are a per-slot buffer's gather ([L, T, 7, H] viewed as [L, 7, H, T]: a head's rows lie 7 * H
+        # elements apart), so the sectors they load are shared through L2 instead of each fetched for one value.
+        hi = tl.program_id(0)
         li = tl.program_id(1)
-        hi = tl.program_id(2)
+        sg = tl.program_id(2)
         b = tl.load(SEG + sg)
         part = tl.load(SEG + nseg + sg)
         start = tl.load(SEG + 2 * nseg + sg)
@@ -367,12 +370,14 @@ def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], visi
     from .stream import upload
 
     L, M, H, _ = per_row.shape
-    for block, items in sorted(segs.items()):
-        seg = upload(np.asarray(items, dtype=np.int64).T.copy(), per_row.device)
-        _summaries[(len(items), L, H)](
-            per_row, seg, out, len(items), *per_row.stride(), *out.stride(), *quantiles,
-            VISION=bool(vision), M=M, NBITS=16 if per_row.dtype == torch.float16 else 32, BLOCK=block,
-            num_warps=4)
+    for block, all_items in sorted(segs.items()):
+        for i in range(0, len(all_items), 65535):  # a grid's third dimension holds at most 65,535
+            items = all_items[i:i + 65535]
+            seg = upload(np.asarray(items, dtype=np.int64).T.copy(), per_row.device)
+            _summaries[(H, L, len(items))](
+                per_row, seg, out, len(items), *per_row.stride(), *out.stride(), *quantiles,
+                VISION=bool(vision), M=M, NBITS=16 if per_row.dtype == torch.float16 else 32, BLOCK=block,
+                num_warps=4)
     return True
 
 
