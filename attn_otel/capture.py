@@ -531,17 +531,26 @@ class CaptureEngine:
         counted.  On a GPU, metrics-only captures are batched: one fused kernel launch per layer reads
         every such request's rows straight out of the tap (see :meth:`_metrics_from_tap`)."""
         side = self.side
-        side.begin()  # after the forwards that wrote these requests' rows
-        if side.stream is not None:
-            for req in reqs:  # allocated on the engine's stream, read on the side stream
-                if req.token_ids_device is not None and req.token_ids_device.is_cuda:
-                    req.token_ids_device.record_stream(side.stream)
+        try:
+            side.begin()  # after the forwards that wrote these requests' rows
+            if side.stream is not None:
+                for req in reqs:  # allocated on the engine's stream, read on the side stream
+                    if req.token_ids_device is not None and req.token_ids_device.is_cuda:
+                        req.token_ids_device.record_stream(side.stream)
+        except Exception:  # noqa: BLE001 - capture must never take the engine down
+            self.stats.add("dropped", len(reqs), reason="capture_error")
+            self.warn_once("side", "could not order the capture stream after the forwards; %d captures dropped "
+                           "(logged once)", len(reqs), exc=True)
+            return
         with side.context():
             self._on_finished_many(reqs)
-        # Their blocks go back to vLLM now: a forward that writes one waits for this work (Side.guard).
-        seq = side.mark()
-        for req in reqs:
-            side.taken_back(req.block_ids, seq, req.num_tokens, req.block_sizes)
+        try:  # their blocks go back to vLLM now: a forward that writes one waits for this work (Side.guard)
+            seq = side.mark()
+            for req in reqs:
+                side.taken_back(req.block_ids, seq, req.num_tokens if req.block_sizes else None,
+                                req.block_sizes)
+        except Exception:  # noqa: BLE001
+            self.warn_once("side-blocks", "could not record which blocks the capture stream reads", exc=True)
 
     def _on_finished_many(self, reqs: Sequence[FinishedRequest]) -> None:
         batch: list[tuple[FinishedRequest, dict[str, Any]]] = []
