@@ -77,9 +77,10 @@ class Side:
     """A second CUDA stream for capture work, so that the engine's next forward runs beside it, not after it.
 
     The stream's flushes and the finish-time kernels read the query ring, the taps and vLLM's KV cache; the
-    forwards on the engine's stream write them.  :meth:`begin` (each step, before any capture work) makes the
-    side stream wait for the forwards enqueued so far, so capture work reads what they wrote.  The engine's
-    stream waits for capture work only where a forward would overwrite what it still reads:
+    forwards on the engine's stream write them.  :meth:`begin` (before each flush and each step's finish
+    work) makes the side stream wait for the forwards enqueued so far, so capture work reads what they
+    wrote.  The engine's stream waits for capture work only where a forward would overwrite what it still
+    reads:
 
     * ring rows that a flush freed (the stream reuses them once the flush is known done, or waits for it);
     * KV-cache blocks (and the taps' slots in them) of finished or preempted requests, which vLLM can hand to
@@ -157,8 +158,7 @@ class Side:
         vLLM while work ``seq`` still reads them."""
         for group, blocks in enumerate(block_ids or ()):
             if tokens is not None:
-                bs = block_sizes[group] if group < len(block_sizes) else block_sizes[0]
-                blocks = blocks[:-(-int(tokens) // bs)]
+                blocks = blocks[:-(-int(tokens) // block_sizes[group])]
             self.reading(group, np.asarray(blocks, dtype=np.int64), seq)
 
     def guard_items(self, items: Sequence[tuple[str, Any, int, int]], block_sizes: Sequence[int]) -> None:
@@ -171,7 +171,7 @@ class Side:
             if n <= 0:
                 continue
             for g, blocks in enumerate(t.block_ids):
-                bs = block_sizes[g] if g < len(block_sizes) else block_sizes[0]
+                bs = block_sizes[g]
                 writes.setdefault(g, []).append(np.asarray(blocks[start // bs:(start + n - 1) // bs + 1],
                                                            dtype=np.int64))
         self.guard(writes)
@@ -483,7 +483,7 @@ class MetricsStream:
             vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
         seq = 0
         if self._fused:
-            self.side.begin()  # after the forwards that wrote the rows (callers begin each step too)
+            self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
                 self._flush_fused(firsts, counts, rows, key_slots, prompt, vm_parts if vision_any else None,
                                   vc_parts if vision_any else None)

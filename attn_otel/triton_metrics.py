@@ -505,8 +505,9 @@ def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
 
 # Launch configuration: query rows per program (heads x rows), keys per tile, warps, pipeline stages.  The
 # defaults are the fastest of bench/flush_kernel.py's sweep on an H100 (docs/benchmarks/run10/: 128 rows per
-# program, 32 of each of 4 heads, once the sink sums left the key loop); settable there for the sweep.  (Per-shape configurations, faster for a 32 x 512-row flush alone, measured slower in
-# the serving benchmark: docs/benchmarks/run9/.)
+# program, 32 of each of 4 heads, once the sink sums left the key loop); settable there for the sweep.
+# (Per-shape configurations, faster for a 32 x 512-row flush alone, measured slower in the serving
+# benchmark: docs/benchmarks/run9/.)
 CONFIG: dict[str, int] = {}
 
 

@@ -526,7 +526,6 @@ def _track(runner, engine, so) -> None:
         num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes, extra_args=t.extra_args,
         vision_positions=t.vision_positions, token_ids_device=device_ids)
         for (req_id, t), (outputs, device_ids) in zip(done, _output_tokens(runner, [r for r, _ in done]))]
-    side.begin()
     preempted = list(getattr(so, "preempted_req_ids", None) or ())
     if stream is not None:
         # Before this step's forward can reuse their blocks: rows of preempted and finished requests (and of

@@ -84,7 +84,6 @@ class Toy:
         """One engine step as the adapter runs it: preempted and finished first, then this step's tokens
         (``(rid, start, n)``) scheduled and "forwarded"."""
         side = self.stream.side
-        side.begin()
         if self.slow and side.stream is not None:
             with side.context():
                 torch.cuda._sleep(20_000_000)  # about 10 ms: far longer than a toy step's host work
@@ -93,7 +92,8 @@ class Toy:
         seq = side.mark()
         for r in [*preempted, *finished]:  # their blocks go back (the toy scheduler may hand them out now)
             side.taken_back(self.t[r].block_ids, seq)
-        with side.context():  # as the engine gathers at finish, on the side stream
+        side.begin()  # as the engine's finish path does before its gather on the side stream
+        with side.context():
             got = {r: self.stream.gather(torch.from_numpy(slots_of(self.t[r].block_ids[0], BS, 0,
                                                                    self.t[r].written)).to(self.device))
                    for r in finished}
