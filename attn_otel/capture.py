@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -40,6 +41,19 @@ logger = logging.getLogger("attn_otel")
 
 EXIT_DRAIN_S = 30.0
 BAND_BYTES = 64 << 20  # float32 logits of one band of query rows, all heads (GPU)
+
+
+def _os_thread_name(name: str) -> None:
+    """Give the calling thread ``name`` (15 bytes at most) in the OS too, so ``top -H``, ``py-spy`` and
+    /proc show attn-otel's threads by name beside the engine's.  Linux only; best effort."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:  # noqa: BLE001 - a name is a convenience
+        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,6 +414,7 @@ class Handoff:
         return self._bytes
 
     def _run(self) -> None:
+        _os_thread_name("attn-otel-write")
         while True:
             job = self._q.get()
             if job is None:
@@ -885,6 +900,7 @@ class CaptureEngine:
         return _Pending(record, layers, qk, tokens_dev, ready, want_maps, nbytes, gathered, streamed=streamed)
 
     def _compute_loop(self) -> None:
+        _os_thread_name("attn-otel-comp")
         while True:
             pending = self._compute_q.get()
             try:
@@ -1123,6 +1139,7 @@ class CaptureEngine:
         raise RuntimeError("the writer process does not answer")
 
     def _dump_loop(self) -> None:
+        _os_thread_name("attn-otel-stats")
         while not self._stop_dumper.wait(1.0):
             self._dump_stats(force=True)
 

@@ -56,6 +56,43 @@ def _prompts(n: int, length: int, seed: int):
     return [{"prompt_token_ids": rng.integers(1000, 120000, length).tolist()} for _ in range(n)]
 
 
+def _cpu_by_thread() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and its descendants (the engine core, the
+    writer processes), summed by ``process name/thread name`` (Linux /proc; {} elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    procs: dict[int, tuple[int, str]] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        procs[int(d.name)] = (int(rest[1]), name)
+    mine, grew = {os.getpid()}, True
+    while grew:
+        grew = False
+        for pid, (ppid, _) in procs.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                grew = True
+    out: dict[str, float] = {}
+    for pid in mine:
+        for t in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+            try:
+                stat = (t / "stat").read_text()
+            except OSError:
+                continue
+            tname, rest = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            key = f"{procs[pid][1]}/{tname}"
+            out[key] = out.get(key, 0.0) + (int(rest[11]) + int(rest[12])) / tick
+    return out
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float], top: int = 12) -> dict[str, float]:
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {k: round(v, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top] if v > 0}
+
+
 def _run_workload(llm, name: str, maps_fraction: float, seed: int):
     import numpy as np
     from vllm import SamplingParams
@@ -67,9 +104,11 @@ def _run_workload(llm, name: str, maps_fraction: float, seed: int):
     for i in range(n):
         extra = {"attn_otel": "maps"} if every and i % every == 0 else None
         params.append(SamplingParams(max_tokens=olen, ignore_eos=True, temperature=0.0, extra_args=extra))
+    cpu0 = _cpu_by_thread()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    cpu = _cpu_delta(cpu0, _cpu_by_thread())
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = [o.metrics.first_token_latency for o in outs if o.metrics is not None]
     itl = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / max(1, o.metrics.num_generation_tokens - 1)
@@ -81,7 +120,8 @@ def _run_workload(llm, name: str, maps_fraction: float, seed: int):
     return {"output_tokens_per_s": out_tokens / wall, "wall_s": wall, "requests": n,
             "maps_requests": sum(1 for p in params if p.extra_args),
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
-            "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99)}
+            "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
+            "cpu_s": cpu}  # CPU seconds in the run, by process/thread (the busiest)
 
 
 def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict:
@@ -174,7 +214,7 @@ def profile_phase(phase: str, out: Path, workload: str) -> None:
     print(text[:6000], flush=True)
 
 
-def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False) -> None:
+def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, maps_fraction: float = 0.0) -> None:
     """One warm workload run of ``phase`` with vLLM's own torch profiler in the engine core process (the
     multiprocess engine, as measured): its trace and table go to DIR/vllm-profile-PHASE/, and where the GPU
     waits (bench/trace_gaps.py) to DIR/vllm-profile-PHASE.txt.  ``stacks`` records Python functions too
@@ -183,21 +223,23 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False) -
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import trace_gaps
 
-    prof_dir = out / f"vllm-profile-{phase}"
+    tag = f"{phase}-maps" if maps_fraction else phase
+    prof_dir = out / f"vllm-profile-{tag}"
     prof_dir.mkdir(parents=True, exist_ok=True)
     llm = _profile_llm(phase, profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
                                                "torch_profiler_with_stack": stacks})
-    _run_workload(llm, workload, 0.0, seed=99)
-    _run_workload(llm, workload, 0.0, seed=98)
+    _run_workload(llm, workload, maps_fraction, seed=99)
+    _run_workload(llm, workload, maps_fraction, seed=98)
     llm.start_profile()
-    res = _run_workload(llm, workload, 0.0, seed=1)
+    res = _run_workload(llm, workload, maps_fraction, seed=1)
     llm.stop_profile()
     time.sleep(10)
     traces = sorted(prof_dir.rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_size)
-    text = f"# {phase} {workload}: {res['output_tokens_per_s']:.0f} tok/s under vLLM's profiler\n\n"
+    text = f"# {tag} {workload}: {res['output_tokens_per_s']:.0f} tok/s under vLLM's profiler\n\n"
     if traces:
         text += trace_gaps.analyse(trace_gaps.load(str(traces[-1])))
-    (out / f"vllm-profile-{phase}.txt").write_text(text)
+    text += "\nCPU seconds in the run by process/thread: " + json.dumps(res["cpu_s"]) + "\n"
+    (out / f"vllm-profile-{tag}.txt").write_text(text)
     print(text, flush=True)
     for t in traces:  # large; the text above is what is kept
         t.unlink()
@@ -268,10 +310,12 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-profile", choices=["off", "auto", "all"],
                     help="the same through vLLM's profiler, in the multiprocess engine core")
     ap.add_argument("--stacks", action="store_true", help="with --engine-profile: record Python stacks (slow)")
+    ap.add_argument("--maps", action="store_true", help="with --engine-profile: profile the maps-for-1%% run")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.engine_profile:
-        engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0], args.stacks)
+        engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0], args.stacks,
+                       0.01 if args.maps else 0.0)
         return 0
     if args.profile:
         profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0])
