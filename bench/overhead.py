@@ -228,8 +228,8 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, m
     prof_dir.mkdir(parents=True, exist_ok=True)
     llm = _profile_llm(phase, profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
                                                "torch_profiler_with_stack": stacks})
-    _run_workload(llm, workload, maps_fraction, seed=99)
-    _run_workload(llm, workload, maps_fraction, seed=98)
+    _run_workload(llm, workload, 0.0, seed=99)  # with --maps as in run_phase: metrics runs, a maps warm-up,
+    _run_workload(llm, workload, maps_fraction, seed=98)  # then the run profiled
     llm.start_profile()
     res = _run_workload(llm, workload, maps_fraction, seed=1)
     llm.stop_profile()

@@ -39,7 +39,8 @@ def analyse(events: list[dict], top: int = 25) -> str:
     # innermost python function per thread at each gap's midpoint, weighted by the gap
     py = collections.defaultdict(list)
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "user_annotation"):
+        if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "user_annotation",
+                                                        "cuda_runtime", "cuda_driver"):
             py[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
     for tid in py:
         py[tid].sort()
@@ -78,6 +79,17 @@ def analyse(events: list[dict], top: int = 25) -> str:
         out.append("")
         out.append(f"idle time (all gaps) by the device op that {side} the gap:")
         out += [f"  {t / 1e3:9.1f} ms in {count[k]:6d} gaps {word} {k!r}" for k, t in idle.most_common(12)]
+    rt = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            r = rt[(e["tid"], e["name"])]
+            r[0] += 1
+            r[1] += e.get("dur", 0)
+            r[2] = max(r[2], e.get("dur", 0))
+    out.append("")
+    out.append("host time in CUDA runtime/driver calls, per thread (the longest):")
+    out += [f"  {t / 1e3:9.1f} ms in {n:7d} calls (max {m / 1e3:7.2f} ms)  tid {tid}  {name}"
+            for (tid, name), (n, t, m) in sorted(rt.items(), key=lambda kv: -kv[1][1])[:top]]
     out.append("")
     out.append("idle time (gaps >= 0.2 ms) by the innermost host function at the gap's middle, per thread:")
     out += [f"  {t / 1e3:9.1f} ms  tid {tid}  {name}" for (tid, name), t in blame.most_common(top)]
