@@ -925,7 +925,15 @@ class CaptureEngine:
         cuda = self.device.type == "cuda"
         host = dict(pin_memory=True) if cuda else {}
         per_row_host = torch.full((len(METRICS), L, H, T), float("nan"), dtype=torch.float32, **host)
-        maps_host = torch.zeros((L, H, T, T), dtype=torch.float16, **host) if p.want_maps else None
+        # Maps go to pageable memory, each layer's in one copy that returns when it is done (on this thread,
+        # never the engine's): pinning a map's hundreds of MB (cudaHostAlloc) holds a driver lock that stalled
+        # the engine thread's CUDA calls for up to 129 ms (docs/benchmarks/overhead.md, run 11).
+        maps_host = None
+        if p.want_maps:
+            maps_host = torch.empty((L, H, T, T), dtype=torch.float16)
+            for li, spec in enumerate(layers):
+                if spec.num_heads < H:
+                    maps_host[li, spec.num_heads:].zero_()
         tokens_host = None
         ctx = torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext()
         with ctx:
@@ -957,7 +965,7 @@ class CaptureEngine:
                                             maps_out=maps_dev, rows=self._rows(spec.num_heads, T))
                 per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
                 if p.want_maps and cuda:
-                    maps_host[li, : spec.num_heads].copy_(maps_dev, non_blocking=True)
+                    maps_host[li, : spec.num_heads].copy_(maps_dev)  # waits for this stream only
             if p.tokens_dev is not None:
                 tokens_host = torch.empty((T,), dtype=p.tokens_dev.dtype, **host)
                 tokens_host.copy_(p.tokens_dev, non_blocking=cuda)
