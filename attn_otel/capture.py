@@ -34,6 +34,7 @@ from .config import Config, RequestOptions
 from .metrics import summary_only
 from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, new_trace_id, parse_traceparent,
                   traceparent_sampled)
+from .hostmem import SegmentPool, Staging
 from .store import CapturePart, CaptureRecord
 from .stream import MetricsStream, Side, slots_of, upload
 
@@ -257,6 +258,10 @@ class _Job:
     # Instead of per_row (None then): its summary computed on the device, [part, metric, stat, L, H] host
     # float32 (attn_otel.metrics.summary_to_array's layout), when no per-row metrics are stored.
     summary: torch.Tensor | None = None
+    # Where ``maps`` lives when it is a pool segment (attn_otel.hostmem): the writer process reads it there;
+    # ``on_done`` gives it back once the job is written or dropped.
+    maps_seg: Any = None
+    on_done: Callable[[], None] | None = None
 
 
 SUMMARY_CHUNK_BYTES = 256 << 20
@@ -426,6 +431,8 @@ class Handoff:
                     self._sink(job)
             finally:
                 self.release(job.nbytes)
+                if job.on_done is not None:
+                    job.on_done()
 
     def begin_closing(self, seconds: float) -> float:
         """From now on, exit is near: jobs still queued ``seconds`` from the first call are dropped
@@ -476,6 +483,9 @@ class CaptureEngine:
         self._writer_procs: list = []
         self.handoff = Handoff(config, self.stats, self._write, 1 if parallel is None else parallel.tp * parallel.pp)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Maps reach the host through a small pinned buffer into reused shared memory (attn_otel.hostmem).
+        self._staging = Staging(self.device) if self.device.type == "cuda" else None
+        self._maps_pool = SegmentPool(config.queue_bytes)
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
         self._fused = triton_metrics.available(self.device)
         self._device_lock = threading.Lock()
@@ -498,7 +508,13 @@ class CaptureEngine:
     def warm_up(self) -> None:
         """Compile the Triton kernels the finish path and the stream's flushes launch, for the shapes a text
         model's requests use, at engine start (each would otherwise compile mid-serving, a stall of seconds
-        on the first request of its shape; Triton's on-disk cache makes later starts quick).  Never raises."""
+        on the first request of its shape; Triton's on-disk cache makes later starts quick).  The maps
+        path's pinned staging buffer is allocated here too.  Never raises."""
+        if self._staging is not None and self.map_layers:
+            try:
+                self._staging.allocate()
+            except Exception:  # noqa: BLE001 - allocated on the first maps capture instead
+                logger.warning("attn-otel: pinning the maps staging buffer at start failed", exc_info=True)
         if not self._fused:
             return
         t0 = time.perf_counter()
@@ -903,6 +919,7 @@ class CaptureEngine:
         _os_thread_name("attn-otel-comp")
         while True:
             pending = self._compute_q.get()
+            job = None
             try:
                 job = self._compute(pending)
                 job.t_finish = pending.t_finish
@@ -910,6 +927,8 @@ class CaptureEngine:
                 if pending.record.part is None or pending.record.part.index == 0:
                     self.stats.add("captured")
             except Exception as e:  # noqa: BLE001
+                if job is not None and job.on_done is not None:
+                    job.on_done()
                 self.handoff.release(pending.nbytes)
                 self.stats.add("dropped", reason="capture_error")
                 self.warn_once(f"err:{type(e).__name__}", "capture of request %s failed; dropped and counted "
@@ -920,20 +939,32 @@ class CaptureEngine:
                 self._device_release(pending.gathered)
 
     def _compute(self, p: "_Pending") -> _Job:
-        rec, layers, T = p.record, p.layers, p.record.num_tokens
+        layers, T = p.layers, p.record.num_tokens
         L, H = len(layers), max(s.num_heads for s in layers)  # this rank's heads (all, on one GPU)
         cuda = self.device.type == "cuda"
         host = dict(pin_memory=True) if cuda else {}
         per_row_host = torch.full((len(METRICS), L, H, T), float("nan"), dtype=torch.float32, **host)
-        # Maps go to pageable memory, each layer's in one copy that returns when it is done (on this thread,
-        # never the engine's): pinning a map's hundreds of MB (cudaHostAlloc) holds a driver lock that stalled
-        # the engine thread's CUDA calls for up to 129 ms (docs/benchmarks/overhead.md, run 11).
-        maps_host = None
+        # Maps land in a reused shared-memory segment through the pinned staging buffer, on this thread
+        # (attn_otel.hostmem says why neither a pinned nor a pageable buffer per capture will do).
+        maps_host, maps_seg = None, None
         if p.want_maps:
-            maps_host = torch.empty((L, H, T, T), dtype=torch.float16)
+            maps_seg = self._maps_pool.acquire(L * H * T * T * 2)
+            maps_host = (maps_seg.tensor((L, H, T, T), torch.float16) if maps_seg is not None
+                         else torch.empty((L, H, T, T), dtype=torch.float16))
             for li, spec in enumerate(layers):
                 if spec.num_heads < H:
                     maps_host[li, spec.num_heads:].zero_()
+        try:
+            return self._compute_into(p, per_row_host, maps_host, maps_seg)
+        except BaseException:
+            self._maps_pool.release(maps_seg)
+            raise
+
+    def _compute_into(self, p: "_Pending", per_row_host: torch.Tensor, maps_host: torch.Tensor | None,
+                      maps_seg: Any) -> _Job:
+        rec, layers, T = p.record, p.layers, p.record.num_tokens
+        cuda = self.device.type == "cuda"
+        host = dict(pin_memory=True) if cuda else {}
         tokens_host = None
         ctx = torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext()
         with ctx:
@@ -965,7 +996,7 @@ class CaptureEngine:
                                             maps_out=maps_dev, rows=self._rows(spec.num_heads, T))
                 per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
                 if p.want_maps and cuda:
-                    maps_host[li, : spec.num_heads].copy_(maps_dev)  # waits for this stream only
+                    self._staging.copy(maps_dev, maps_host[li, : spec.num_heads], self._stream)
             if p.tokens_dev is not None:
                 tokens_host = torch.empty((T,), dtype=p.tokens_dev.dtype, **host)
                 tokens_host.copy_(p.tokens_dev, non_blocking=cuda)
@@ -973,7 +1004,10 @@ class CaptureEngine:
             if cuda:
                 event = torch.cuda.Event()
                 event.record()
-        return _Job(rec, per_row_host, maps_host, event, p.nbytes, 0.0, tokens_host)
+        job = _Job(rec, per_row_host, maps_host, event, p.nbytes, 0.0, tokens_host, maps_seg=maps_seg)
+        if maps_seg is not None:
+            job.on_done = lambda: self._maps_pool.release(maps_seg)
+        return job
 
     def _rows(self, heads: int, T: int) -> int:
         """Query rows per band: on a GPU as many as fit BAND_BYTES (fewer kernel launches); memory stays
@@ -1066,7 +1100,7 @@ class CaptureEngine:
 
         arrays: dict[str, tuple[torch.Tensor | np.ndarray, str]] = (
             {"per_row": (job.per_row, "float32")} if job.per_row is not None else {"summary": (job.summary, "float32")})
-        if job.maps is not None:
+        if job.maps is not None and job.maps_seg is None:
             arrays["maps"] = (job.maps, "float16")
         if rec.token_ids is not None:
             arrays["token_ids"] = (np.asarray(rec.token_ids, dtype=np.int32), "int32")
@@ -1092,6 +1126,8 @@ class CaptureEngine:
             meta["layers"] = [int(x) for x in meta["layers"]]
             if rec.part is not None:
                 meta["part"] = rec.part.to_json()
+            if job.maps_seg is not None:  # read in place, from its own segment
+                layout["maps"] = [0, list(job.maps.shape), "float16", job.maps_seg.name]
             msg = {"id": id(job), "shm": shm.name, "record": meta, "arrays": layout,
                    "metrics": {name: METRICS.index(name) for name in names}, "latency_s": latency}
             reply = self._writer_call(json.dumps(msg))
@@ -1219,3 +1255,4 @@ class CaptureEngine:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
+        self._maps_pool.close()  # after the writers: none reads a segment any more

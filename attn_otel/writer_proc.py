@@ -7,6 +7,9 @@ POSIX shared-memory segment and writes one JSON line on the writer's stdin::
      "arrays": {"per_row": [offset, shape, dtype], "maps": [...], "token_ids": [...], "vision_mask": [...]},
      "metrics": {"entropy": 0, ...}}          (metric name -> its row in per_row)
 
+An array entry with a fourth element, ``[offset, shape, dtype, "psm_..."]``, lies in that segment instead
+(the engine's maps pool, :mod:`attn_otel.hostmem`; read in place, owned and reused by the engine side).
+
 or, for a capture summarised on the device (no per-row metrics stored), ``"summary"`` ``[part, metric, stat,
 layer, head]`` in place of ``"per_row"``.
 
@@ -60,12 +63,18 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
             continue
         msg_id = None
         shm = None
+        extra: list = []
+        views: dict = {}
         try:
             msg = json.loads(line)
             msg_id = msg.get("id")
             shm = _attach(msg["shm"])
-            views = {name: np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=shm.buf, offset=int(off))
-                     for name, (off, shape, dtype) in msg["arrays"].items()}
+            for name, (off, shape, dtype, *own) in msg["arrays"].items():
+                buf = shm.buf
+                if own:  # an array in a segment of its own (maps: attn_otel.hostmem's pool, read in place)
+                    extra.append(_attach(own[0]))
+                    buf = extra[-1].buf
+                views[name] = np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=buf, offset=int(off))
             per_row = views.get("per_row")
             summary = None
             if per_row is not None:
@@ -82,13 +91,14 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
             errors = fanout.export(item)
             reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors,
                      "complete": item.complete, "maps_stored": bool(item.maps_stored)}
-            del views, per_row, metrics, rec, item
+            del per_row, metrics, rec, item
         except Exception as e:  # noqa: BLE001 - reported to the engine side, which counts it
             reply = {"id": msg_id, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
         finally:
-            if shm is not None:
+            views.clear()  # the segments' views go first, so that they can close
+            for seg in ([shm] if shm is not None else []) + extra:
                 try:
-                    shm.close()
+                    seg.close()
                 except BufferError:  # a view still alive: the mapping goes with the process
                     pass
         stdout.write(json.dumps(reply) + "\n")
