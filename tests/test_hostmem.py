@@ -42,10 +42,10 @@ def test_segments_are_reused_bounded_and_unlinked():
     assert float(b.tensor((4, 1000), torch.float16)[3, 999]) == 3.0
     c = pool.acquire(2 << 20)  # the first is out: a new one
     assert c is not a and pool.created == 2
-    pool.release(b)
-    pool.release(c)  # 2 x 2 MiB free is over keep_bytes: the older goes
-    assert pool.free_bytes() <= 3 << 20
-    assert not _exists(a.name) and _exists(c.name)
+    pool.release(b)  # b (= a) free and c out: 4+ MiB held is over keep_bytes, so the free one goes
+    assert pool.free_bytes() == 0 and not _exists(a.name) and _exists(c.name)
+    pool.release(c)  # alone it fits
+    assert pool.free_bytes() == c.size <= 3 << 20 and _exists(c.name)
     d = pool.acquire(1 << 20)
     pool.close()  # unlinks the free ones and the ones still out
     assert not _exists(c.name) and not _exists(d.name)
