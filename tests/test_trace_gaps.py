@@ -55,3 +55,22 @@ def test_idle_time_is_split_by_gap_size_and_by_the_ops_around_each_gap():
     assert "0.0 ms in      2 gaps before '_scatter_rows'" in lines[i + 2]
     j = lines.index("idle time (all gaps) by the device op that starts the gap:")
     assert "1.0 ms in      2 gaps after '_scatter_rows'" in lines[j + 1]
+
+
+def test_cuda_runtime_calls_are_listed_per_thread_and_can_take_the_blame():
+    """A host thread stuck in a CUDA call (cudaHostAlloc holding the driver lock, run 11) shows up both in
+    the per-thread list of runtime calls and as the innermost function at an idle gap's middle."""
+    events = [_x("kernel", "gemm", 0, 100), _x("kernel", "attn", 2100, 100),  # a 2 ms gap: 100..2100
+              _x("cuda_runtime", "cudaHostAlloc", 50, 1500, tid=9), _x("cuda_runtime", "cudaHostAlloc", 3000, 500, tid=9),
+              _x("python_function", "step", 0, 3000, tid=7),
+              _x("cuda_runtime", "cudaPointerGetAttributes", 900, 400, tid=7),
+              _x("cuda_driver", "cuLaunchKernel", 2050, 10, tid=7)]
+    text = trace_gaps.analyse(events)
+    lines = text.splitlines()
+    i = lines.index("host time in CUDA runtime/driver calls, per thread (the longest):")
+    assert "2.0 ms in       2 calls (max    1.50 ms)  tid 9  cudaHostAlloc" in lines[i + 1]
+    assert "cudaPointerGetAttributes" in lines[i + 2] and "tid 7" in lines[i + 2]
+    blamed = lines[lines.index("idle time (gaps >= 0.2 ms) by the innermost host function at the gap's middle, "
+                               "per thread:") + 1:]
+    assert any("tid 9  cudaHostAlloc" in line and "2.0 ms" in line for line in blamed)
+    assert any("tid 7  cudaPointerGetAttributes" in line for line in blamed)  # 900..1300 holds the middle, 1100
