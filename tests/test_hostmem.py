@@ -69,12 +69,14 @@ def test_staged_copy_is_exact_across_halves(n):
     stream = torch.cuda.Stream()
     src = torch.randn(n, device="cuda").half()
     dst = torch.full((n,), float("nan"), dtype=torch.float16)
+    stream.wait_stream(torch.cuda.current_stream())  # the copies read what the default stream made
     with torch.cuda.stream(stream):
         st.copy(src, dst, stream)
     assert torch.equal(dst, src.cpu())
     st2 = Staging(torch.device("cuda"), half_bytes=4096)  # a non-contiguous source is copied as laid out
     m = torch.randn(64, 3 * max(1, n // 64 + 1), device="cuda").half()[:, ::3]
     out = torch.empty(m.shape, dtype=torch.float16)
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         st2.copy(m, out, stream)
     assert torch.equal(out, m.cpu())
