@@ -918,7 +918,11 @@ class CaptureEngine:
     def _compute_loop(self) -> None:
         _os_thread_name("attn-otel-comp")
         while True:
-            pending = self._compute_q.get()
+            try:
+                pending = self._compute_q.get(timeout=self._maps_pool.idle_s / 2)
+            except queue.Empty:  # nothing to do: give back the maps segments no capture has used lately
+                self._maps_pool.trim()
+                continue
             job = None
             try:
                 job = self._compute(pending)

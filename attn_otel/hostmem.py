@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 logger = logging.getLogger("attn_otel")
 
 STAGING_BYTES = 16 << 20  # each of the two halves
+IDLE_S = 60.0  # a free segment unused this long is given back to the system (SegmentPool.trim)
 
 
 class Staging:
@@ -93,6 +95,7 @@ class Segment:
 
         self.shm = shared_memory.SharedMemory(create=True, size=size)
         self.size = size
+        self.released = 0.0  # when it last went back to the pool (time.monotonic)
 
     @property
     def name(self) -> str:
@@ -124,12 +127,15 @@ def _rounded(nbytes: int) -> int:
 class SegmentPool:
     """Shared-memory segments for maps, handed out and taken back.  Free ones stay mapped for the next
     capture while all the pool holds (out and free) is at most ``keep_bytes``: the segments out are maps
-    already bounded by the hand-off (``ATTN_OTEL_QUEUE_BYTES``), so the free ones never add to that bound.  Every segment it made is unlinked by :meth:`close` (or, for one still
+    already bounded by the hand-off (``ATTN_OTEL_QUEUE_BYTES``), so the free ones never add to that bound.
+    A free segment unused for ``idle_s`` goes at the next :meth:`trim` (the compute thread calls it when it
+    has nothing to do), so a burst of maps captures does not hold memory for good.  Every segment it made is unlinked by :meth:`close` (or, for one still
     out at exit, by Python's resource tracker)."""
 
-    def __init__(self, keep_bytes: int):
+    def __init__(self, keep_bytes: int, idle_s: float = IDLE_S):
         self.keep_bytes = int(keep_bytes)
-        self._free: list[Segment] = []
+        self.idle_s = float(idle_s)
+        self._free: list[Segment] = []  # oldest release first
         self._out: set[Segment] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -167,6 +173,7 @@ class SegmentPool:
             if self._closed:
                 drop.append(seg)
             else:
+                seg.released = time.monotonic()
                 self._free.append(seg)
                 held = sum(s.size for s in self._free) + sum(s.size for s in self._out)
                 while self._free and held > self.keep_bytes:  # keep the newest
@@ -174,6 +181,16 @@ class SegmentPool:
                     drop.append(self._free.pop(0))
         for s in drop:
             s.destroy()
+
+    def trim(self, now: float | None = None) -> int:
+        """Give back the free segments unused for ``idle_s``; returns how many went."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            drop = [s for s in self._free if now - s.released >= self.idle_s]
+            self._free = [s for s in self._free if s not in drop]
+        for s in drop:
+            s.destroy()
+        return len(drop)
 
     def free_bytes(self) -> int:
         with self._lock:

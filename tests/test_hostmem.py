@@ -53,6 +53,21 @@ def test_segments_are_reused_bounded_and_unlinked():
     pool.release(d)  # a late release after close is harmless
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory lives in /dev/shm on Linux")
+def test_free_segments_unused_for_a_while_are_given_back():
+    pool = SegmentPool(keep_bytes=64 << 20, idle_s=60.0)
+    a, b = pool.acquire(1 << 20), pool.acquire(1 << 20)
+    pool.release(a)
+    t_a = a.released
+    pool.release(b)
+    assert pool.trim(now=t_a + 59.0) == 0 and _exists(a.name)
+    assert pool.trim(now=t_a + 60.0) == 1 and not _exists(a.name) and _exists(b.name)  # a went, b is newer
+    assert pool.trim(now=b.released + 60.0) == 1 and pool.free_bytes() == 0 and not _exists(b.name)
+    c = pool.acquire(1 << 20)  # a new one, and the pool still works
+    assert c.name not in (a.name, b.name) and pool.created == 3
+    pool.close()
+
+
 def test_staging_rejects_a_destination_of_another_size():
     st = Staging(torch.device("cpu"), half_bytes=64)
     with pytest.raises(ValueError, match="cannot copy"):
@@ -120,3 +135,21 @@ def test_maps_go_through_one_reused_segment_and_none_is_left(tmp_path, writer):
         np.testing.assert_allclose(np.asarray(got, dtype=np.float32), ref, atol=1e-3)
     eng.close()
     assert not any(_exists(n) for n in names)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory lives in /dev/shm on Linux")
+def test_an_idle_engine_gives_its_maps_segments_back(tmp_path):
+    import time
+
+    eng = CaptureEngine(Config(store=str(tmp_path / "store"), writer="thread", writers=1), [SPEC], 256,
+                        torch.float32, "cpu")
+    eng._maps_pool.idle_s = 2.0  # read by the compute thread at its next wait, after the capture below
+    eng.tap.write(0, torch.randn(200, 64), torch.randn(200, 32), torch.arange(200))
+    eng.on_finished(_req(100, new_trace_id()))
+    assert eng.flush(60) and eng.stats.snapshot()["maps_stored"] == 1
+    (seg,) = eng._maps_pool._free
+    deadline = time.monotonic() + 10
+    while _exists(seg.name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _exists(seg.name) and eng._maps_pool.free_bytes() == 0
+    eng.close()
