@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -37,24 +36,12 @@ from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, 
 from .hostmem import SegmentPool, Staging
 from .store import CapturePart, CaptureRecord
 from .stream import MetricsStream, Side, slots_of, upload
+from .writer_proc import os_thread_name as _os_thread_name
 
 logger = logging.getLogger("attn_otel")
 
 EXIT_DRAIN_S = 30.0
 BAND_BYTES = 64 << 20  # float32 logits of one band of query rows, all heads (GPU)
-
-
-def _os_thread_name(name: str) -> None:
-    """Give the calling thread ``name`` (15 bytes at most) in the OS too, so ``top -H``, ``py-spy`` and
-    /proc show attn-otel's threads by name beside the engine's.  Linux only; best effort."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except Exception:  # noqa: BLE001 - a name is a convenience
-        pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,9 +246,8 @@ class _Job:
     # float32 (attn_otel.metrics.summary_to_array's layout), when no per-row metrics are stored.
     summary: torch.Tensor | None = None
     # Where ``maps`` lives when it is a pool segment (attn_otel.hostmem): the writer process reads it there;
-    # ``on_done`` gives it back once the job is written or dropped.
+    # it goes back to the pool once the job is written or dropped (the hand-off's ``done``).
     maps_seg: Any = None
-    on_done: Callable[[], None] | None = None
 
 
 SUMMARY_CHUNK_BYTES = 256 << 20
@@ -379,10 +365,12 @@ class Handoff:
     """Bounded (in bytes) queue from the engine loop to one writer thread: put never blocks; when a
     capture does not fit, it is dropped and counted."""
 
-    def __init__(self, config: Config, stats: Stats, sink: Callable[[_Job], None], ranks: int = 1):
+    def __init__(self, config: Config, stats: Stats, sink: Callable[[_Job], None], ranks: int = 1,
+                 done: Callable[[_Job], None] | None = None):
         self.capacity = config.queue_bytes
         self.stats = stats
         self._sink = sink
+        self._done = done  # after each job, written or dropped
         self._bytes = 0
         self._closing = 0.0
         self._lock = threading.Lock()
@@ -431,8 +419,8 @@ class Handoff:
                     self._sink(job)
             finally:
                 self.release(job.nbytes)
-                if job.on_done is not None:
-                    job.on_done()
+                if self._done is not None:
+                    self._done(job)
 
     def begin_closing(self, seconds: float) -> float:
         """From now on, exit is near: jobs still queued ``seconds`` from the first call are dropped
@@ -481,11 +469,12 @@ class CaptureEngine:
         self._local = threading.local()
         self._fanouts: list = []
         self._writer_procs: list = []
-        self.handoff = Handoff(config, self.stats, self._write, 1 if parallel is None else parallel.tp * parallel.pp)
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Maps reach the host through a small pinned buffer into reused shared memory (attn_otel.hostmem).
-        self._staging = Staging(self.device) if self.device.type == "cuda" else None
+        self._staging = Staging() if self.device.type == "cuda" else None
         self._maps_pool = SegmentPool(config.queue_bytes)
+        self.handoff = Handoff(config, self.stats, self._write, 1 if parallel is None else parallel.tp * parallel.pp,
+                               done=lambda job: self._maps_pool.release(job.maps_seg))
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
         self._fused = triton_metrics.available(self.device)
         self._device_lock = threading.Lock()
@@ -931,8 +920,8 @@ class CaptureEngine:
                 if pending.record.part is None or pending.record.part.index == 0:
                     self.stats.add("captured")
             except Exception as e:  # noqa: BLE001
-                if job is not None and job.on_done is not None:
-                    job.on_done()
+                if job is not None:
+                    self._maps_pool.release(job.maps_seg)
                 self.handoff.release(pending.nbytes)
                 self.stats.add("dropped", reason="capture_error")
                 self.warn_once(f"err:{type(e).__name__}", "capture of request %s failed; dropped and counted "
@@ -1008,10 +997,7 @@ class CaptureEngine:
             if cuda:
                 event = torch.cuda.Event()
                 event.record()
-        job = _Job(rec, per_row_host, maps_host, event, p.nbytes, 0.0, tokens_host, maps_seg=maps_seg)
-        if maps_seg is not None:
-            job.on_done = lambda: self._maps_pool.release(maps_seg)
-        return job
+        return _Job(rec, per_row_host, maps_host, event, p.nbytes, 0.0, tokens_host, maps_seg=maps_seg)
 
     def _rows(self, heads: int, T: int) -> int:
         """Query rows per band: on a GPU as many as fit BAND_BYTES (fewer kernel launches); memory stays

@@ -17,11 +17,11 @@ process reads in place (no copy into a message segment) and that is kept mapped 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 logger = logging.getLogger("attn_otel")
@@ -33,8 +33,7 @@ IDLE_S = 60.0  # a free segment unused this long is given back to the system (Se
 class Staging:
     """A pinned buffer of two halves for device-to-host copies of large tensors, one caller at a time."""
 
-    def __init__(self, device: torch.device, half_bytes: int = STAGING_BYTES):
-        self.device = torch.device(device)
+    def __init__(self, half_bytes: int = STAGING_BYTES):
         self.half_bytes = int(half_bytes)
         self._bufs: list[torch.Tensor] = []
 
@@ -42,9 +41,6 @@ class Staging:
         """Pin the buffer now (at engine start), not on the first maps capture."""
         if not self._bufs:
             self._bufs = [torch.empty(self.half_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self._bufs)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> None:
         """Copy the device tensor ``src`` into the host tensor ``dst`` (contiguous, same size and dtype),
@@ -57,7 +53,6 @@ class Staging:
         d = dst.reshape(-1).view(torch.uint8)
         n = s.numel()
         pending: list[tuple[Any, torch.Tensor, torch.Tensor] | None] = [None, None]
-        order: list[int] = []
         try:
             for i, off in enumerate(range(0, n, self.half_bytes)):
                 half = i & 1
@@ -70,8 +65,7 @@ class Staging:
                 done = torch.cuda.Event(blocking=True)  # this thread sleeps, not spins, until it is done
                 done.record(stream)
                 pending[half] = (done, d[off: off + m], buf)
-                order.append(half)
-            for half in order[-2:]:
+            for half in (0, 1):
                 if pending[half] is not None:
                     self._land(pending[half])
                     pending[half] = None
@@ -103,8 +97,7 @@ class Segment:
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor over the start of the segment (valid while the segment lives)."""
-        np_dtype = {torch.float16: np.float16, torch.float32: np.float32}[dtype]
-        return torch.from_numpy(np.ndarray(shape, dtype=np_dtype, buffer=self.shm.buf))
+        return torch.frombuffer(self.shm.buf, dtype=dtype, count=math.prod(shape)).view(shape)
 
     def destroy(self) -> None:
         try:

@@ -26,6 +26,20 @@ import json
 import sys
 
 
+def os_thread_name(name: str) -> None:
+    """Give the calling thread ``name`` (15 bytes at most) in the OS too, so ``top -H``, ``py-spy`` and
+    /proc show attn-otel's threads and writer processes by name.  Linux only; best effort.  (Here, not in
+    the capture engine, so that the writer process names itself without importing torch.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:  # noqa: BLE001 - a name is a convenience
+        pass
+
+
 def _attach(name: str):
     from multiprocessing import resource_tracker, shared_memory
 
@@ -108,11 +122,5 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
 
 
 if __name__ == "__main__":
-    if sys.platform.startswith("linux"):  # "attn-otel-wproc" in top and /proc, not one more "python3"
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(15, b"attn-otel-wproc", 0, 0, 0)  # PR_SET_NAME
-        except Exception:  # noqa: BLE001
-            pass
+    os_thread_name("attn-otel-wproc")  # in top and /proc, not one more "python3"
     serve(sys.argv[1], config_json=sys.argv[2] if len(sys.argv) > 2 else None)

@@ -38,10 +38,16 @@ def analyse(events: list[dict], top: int = 25) -> str:
            f"in {len(gaps)} gaps, {sum(g[0] for g in gaps if g[0] >= 500) / 1e6:.3f} s in gaps >= 0.5 ms"]
     # innermost python function per thread at each gap's midpoint, weighted by the gap
     py = collections.defaultdict(list)
+    rt = collections.defaultdict(lambda: [0, 0.0, 0.0])  # (tid, CUDA call) -> calls, total and longest time
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in ("python_function", "cpu_op", "user_annotation",
                                                         "cuda_runtime", "cuda_driver"):
             py[e["tid"]].append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
+            if e["cat"] in ("cuda_runtime", "cuda_driver"):
+                r = rt[(e["tid"], e["name"])]
+                r[0] += 1
+                r[1] += e.get("dur", 0)
+                r[2] = max(r[2], e.get("dur", 0))
     for tid in py:
         py[tid].sort()
     starts = {tid: [x[0] for x in v] for tid, v in py.items()}
@@ -79,13 +85,6 @@ def analyse(events: list[dict], top: int = 25) -> str:
         out.append("")
         out.append(f"idle time (all gaps) by the device op that {side} the gap:")
         out += [f"  {t / 1e3:9.1f} ms in {count[k]:6d} gaps {word} {k!r}" for k, t in idle.most_common(12)]
-    rt = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
-            r = rt[(e["tid"], e["name"])]
-            r[0] += 1
-            r[1] += e.get("dur", 0)
-            r[2] = max(r[2], e.get("dur", 0))
     out.append("")
     out.append("host time in CUDA runtime/driver calls, per thread (the longest):")
     out += [f"  {t / 1e3:9.1f} ms in {n:7d} calls (max {m / 1e3:7.2f} ms)  tid {tid}  {name}"

@@ -1,5 +1,5 @@
 """bench/overhead.py's per-run CPU accounting: seconds by process/thread name, attn-otel's threads named
-in the OS (attn_otel.capture._os_thread_name)."""
+in the OS (attn_otel.writer_proc.os_thread_name)."""
 
 import sys
 import threading
@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import overhead  # noqa: E402
 
-from attn_otel.capture import _os_thread_name  # noqa: E402
+from attn_otel.writer_proc import os_thread_name as _os_thread_name  # noqa: E402
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

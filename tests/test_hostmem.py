@@ -69,7 +69,7 @@ def test_free_segments_unused_for_a_while_are_given_back():
 
 
 def test_staging_rejects_a_destination_of_another_size():
-    st = Staging(torch.device("cpu"), half_bytes=64)
+    st = Staging(half_bytes=64)
     with pytest.raises(ValueError, match="cannot copy"):
         st.copy(torch.zeros(10, dtype=torch.float16), torch.zeros(11, dtype=torch.float16), None)
     with pytest.raises(ValueError, match="cannot copy"):
@@ -80,7 +80,7 @@ def test_staging_rejects_a_destination_of_another_size():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("n", [1, 1000, 4096, 4097, 50_000])
 def test_staged_copy_is_exact_across_halves(n):
-    st = Staging(torch.device("cuda"), half_bytes=4096)  # 2,048 float16 per half: many turns of the halves
+    st = Staging(half_bytes=4096)  # 2,048 float16 per half: many turns of the halves
     stream = torch.cuda.Stream()
     src = torch.randn(n, device="cuda").half()
     dst = torch.full((n,), float("nan"), dtype=torch.float16)
@@ -88,7 +88,7 @@ def test_staged_copy_is_exact_across_halves(n):
     with torch.cuda.stream(stream):
         st.copy(src, dst, stream)
     assert torch.equal(dst, src.cpu())
-    st2 = Staging(torch.device("cuda"), half_bytes=4096)  # a non-contiguous source is copied as laid out
+    st2 = Staging(half_bytes=4096)  # a non-contiguous source is copied as laid out
     m = torch.randn(64, 3 * max(1, n // 64 + 1), device="cuda").half()[:, ::3]
     out = torch.empty(m.shape, dtype=torch.float16)
     stream.wait_stream(torch.cuda.current_stream())
