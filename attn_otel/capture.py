@@ -112,10 +112,13 @@ class QKTap:
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        # one launch for both (padded tokens: slot S)
-        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots,
-                                    dst2=self.k[layer], src2=key)
+    def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor,
+              kv: tuple | None = None) -> bool:
+        """One launch for the query and key (padded tokens: slot S), and with ``kv`` vLLM's KV-cache write
+        too (see :func:`attn_otel.triton_metrics.scatter_rows`); True where that launch wrote the cache."""
+        done = triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots,
+                                           dst2=self.k[layer], src2=key, kv=kv)
+        return done and kv is not None
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q[layer].index_select(0, slots), self.k[layer].index_select(0, slots)
@@ -475,6 +478,7 @@ class CaptureEngine:
         self.handoff = Handoff(config, self.stats, self._write, 1 if parallel is None else parallel.tp * parallel.pp,
                                done=lambda job: self._maps_pool.release(job.maps_seg))
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.fused_kv_layers = 0  # layers whose K/V write to vLLM's cache shares the Q write's launch (adapter)
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
         self._fused = triton_metrics.available(self.device)
         self._device_lock = threading.Lock()
@@ -1202,7 +1206,7 @@ class CaptureEngine:
             snap.update(queue_pending_bytes=self.handoff.pending_bytes, device_queue_pending_bytes=self._device_bytes,
                         tap_bytes=self.device_bytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
                         tap_bytes_per_token=self.bytes_per_token(), finish_device_s=self.finish_device_s,
-                        side_stream_waits=self.side.waits)
+                        side_stream_waits=self.side.waits, fused_kv_layers=self.fused_kv_layers)
             st = self.stream
             if st is not None:
                 snap.update(streamed_layers=sorted(self.streamed), stream_rows=st.rows, stream_flushes=st.flushes,

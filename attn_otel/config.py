@@ -80,6 +80,13 @@ only the captures whose maps are stored; ``all`` every capture.  Every capture s
 and quantiles per layer and head, a few kB).  At production rates rows for every request are the bulk of
 the store's traffic (about 2.8 MB per 768-token request on four 32-head layers)."""
 
+ATTN_OTEL_KV_WRITE = "ATTN_OTEL_KV_WRITE"
+"""``fused`` (default): on a captured layer with vLLM's FLASH_ATTN backend and an unquantised KV cache,
+attn-otel writes the layer's keys and values to vLLM's paged cache in the same GPU launch that keeps its
+queries, and vLLM's own KV-cache write for that layer is skipped (one launch per layer and step instead of
+two; where the launch cannot be made, vLLM's write runs as before).  ``vllm``: vLLM writes its cache and
+attn-otel keeps the queries in a launch of its own."""
+
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """``1`` (default) stores the request's token ids with its capture (``attn-otel show`` labels axes with
 them); ``0`` stores none.  Token ids never leave the store."""
@@ -189,6 +196,7 @@ class Config:
     writers: int = 0
     row_metrics: str = "maps"
     writer_timeout_s: float = 0.0
+    kv_write: str = "fused"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "Config":
@@ -225,6 +233,7 @@ class Config:
                                              86400.0)
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
+        values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 

@@ -323,13 +323,19 @@ class MetricsStream:
         return 1
 
     # ------------------------------------------------------------------ in the forward (graph-safe)
-    def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor,
+              kv: tuple | None = None) -> bool:
+        """The forward's query (and key, for a K-only tap) of ``layer``; with ``kv`` (see
+        :func:`attn_otel.triton_metrics.scatter_rows`) also vLLM's KV-cache write, in the same launch.  True
+        where that launch wrote the cache (else the caller must)."""
         # Padded tokens (slot -1) go to the table's last entry, the ring's padding row.
-        triton_metrics.scatter_rows(self.q[self.pos[layer]], query, slot_mapping, self.num_slots,
-                                    table=self.ring_of_slot)
         tap = self.k_tap.get(layer)
+        done = triton_metrics.scatter_rows(self.q[self.pos[layer]], query, slot_mapping, self.num_slots,
+                                           table=self.ring_of_slot, kv=kv if tap is None else None)
         if tap is not None:
             triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots)
+            return False
+        return done and kv is not None
 
     # ------------------------------------------------------------------ engine loop, before a forward
     def schedule(self, items: Iterable[tuple[str, Any, int, int]]) -> None:

@@ -295,14 +295,18 @@ if triton is not None:
 
     @triton.jit
     def _scatter_rows(SRC, DST, IDX, TABLE, SRC2, DST2, src_stride, dst_stride, src2_stride, dst2_stride, pad,
+                      K, V, KC, VC, k_stride, v_stride, kc_sb, kc_so, kc_sh, vc_sb, vc_so, vc_sh, block_size,
                       C: tl.constexpr, C2: tl.constexpr, HAS_TABLE: tl.constexpr, PAIRS: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK2: tl.constexpr):
+                      BLOCK: tl.constexpr, BLOCK2: tl.constexpr, KV: tl.constexpr, HKV: tl.constexpr,
+                      D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
         # Token t's row of C values goes to row IDX[t] of DST (IDX[t] < 0: row ``pad``), or, with a table,
         # to row TABLE[IDX[t]] (IDX[t] < 0: TABLE[pad]); with PAIRS == 2 its row of C2 values of SRC2 too,
-        # to the same row of DST2 (the tap's query and key in one launch).
+        # to the same row of DST2 (the tap's query and key in one launch).  With KV, its key and value
+        # ([HKV, D] rows) also go to vLLM's paged cache at slot IDX[t] (block IDX[t] // block_size, offset
+        # IDX[t] % block_size; nothing for IDX[t] < 0), what vLLM's own KV-cache write would have done.
         t = tl.program_id(0)
-        row = tl.load(IDX + t).to(tl.int64)
-        row = tl.where(row < 0, pad, row)
+        slot = tl.load(IDX + t).to(tl.int64)
+        row = tl.where(slot < 0, pad, slot)
         if HAS_TABLE:
             row = tl.load(TABLE + row).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -314,28 +318,54 @@ if triton is not None:
             ok2 = cols2 < C2
             v2 = tl.load(SRC2 + t.to(tl.int64) * src2_stride + cols2, mask=ok2)
             tl.store(DST2 + row * dst2_stride + cols2, v2.to(DST2.dtype.element_ty), mask=ok2)
+        if KV:
+            s = tl.maximum(slot, 0)
+            blk = s // block_size
+            off = s - blk * block_size
+            h = tl.arange(0, BH)[:, None]
+            d = tl.arange(0, BD)[None, :]
+            m = (h < HKV) & (d < D) & (slot >= 0)
+            kr = tl.load(K + t.to(tl.int64) * k_stride + h * D + d, mask=m)
+            tl.store(KC + blk * kc_sb + off * kc_so + h * kc_sh + d, kr.to(KC.dtype.element_ty), mask=m)
+            vr = tl.load(V + t.to(tl.int64) * v_stride + h * D + d, mask=m)
+            tl.store(VC + blk * vc_sb + off * vc_so + h * vc_sh + d, vr.to(VC.dtype.element_ty), mask=m)
 
 
 def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad: int,
                  table: torch.Tensor | None = None, dst2: torch.Tensor | None = None,
-                 src2: torch.Tensor | None = None) -> bool:
+                 src2: torch.Tensor | None = None, kv: tuple | None = None) -> bool:
     """``dst[index[t]] = src[t]`` for the ``len(index)`` first rows of ``src`` (``index[t] < 0``: row
     ``pad``), or ``dst[table[index[t]]]`` with a table (``index[t] < 0``: ``table[pad]``); with ``dst2`` and
     ``src2``, the same rows of ``dst2`` from ``src2`` too.  Graph-safe (the forward's Q/K writes).  ``dst``'s
     rows take ``src``'s rows reshaped to them.  One Triton launch where it applies (CUDA, rows each
     contiguous; torch's index_copy_ is a generic gather-scatter several times slower), and then True; else
-    the same with torch (a lookup and index_copy_ per pair), and False."""
+    the same with torch (a lookup and index_copy_ per pair), and False.
+
+    ``kv = (key, value, key_cache, value_cache)`` (caches ``[blocks, block_size, Hkv, D]`` views of vLLM's
+    paged cache, ``D`` contiguous) adds vLLM's KV-cache write to the same launch: token t's key and value
+    to slot ``index[t]`` (none for ``index[t] < 0``).  Only the Triton launch does this: where it returns
+    False the caller still has to write the cache."""
     n = index.shape[0]
     pairs = [(dst, src)] + ([(dst2, src2)] if dst2 is not None else [])
     if (available(dst.device) and n > 0 and all(
             s.device == d.device and s.shape[0] >= n and s[0].numel() == d[0].numel()
-            and _rows_contiguous(d) and _rows_contiguous(s) for d, s in pairs)):
+            and _rows_contiguous(d) and _rows_contiguous(s) for d, s in pairs)
+            and (kv is None or _kv_fits(kv, n, dst.device))):
         tab = table if table is not None else index
         d2, s2 = pairs[-1]
         C, C2 = dst[0].numel(), d2[0].numel()
+        if kv is None:
+            k = v = kc = vc = src
+            kvs, Hkv, D = (0,) * 9, 1, 1
+        else:
+            k, v, kc, vc = kv
+            Hkv, D = kc.shape[2], kc.shape[3]
+            kvs = (k.stride(0), v.stride(0), *kc.stride()[:3], *vc.stride()[:3], kc.shape[1])
         _scatter_rows[(n,)](src, dst, index, tab, s2, d2, src.stride(0), dst.stride(0), s2.stride(0),
-                            d2.stride(0), int(pad), C=C, C2=C2, HAS_TABLE=table is not None, PAIRS=len(pairs),
-                            BLOCK=triton.next_power_of_2(C), BLOCK2=triton.next_power_of_2(C2), num_warps=4)
+                            d2.stride(0), int(pad), k, v, kc, vc, *kvs, C=C, C2=C2, HAS_TABLE=table is not None,
+                            PAIRS=len(pairs), BLOCK=triton.next_power_of_2(C), BLOCK2=triton.next_power_of_2(C2),
+                            KV=kv is not None, HKV=Hkv, D=D, BH=triton.next_power_of_2(Hkv),
+                            BD=triton.next_power_of_2(D), num_warps=4)
         return True
     rows = torch.where(index < 0, pad, index.to(torch.long))
     if table is not None:
@@ -343,6 +373,17 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
     for d, s in pairs:
         d.index_copy_(0, rows, s[:n].reshape((n,) + tuple(d.shape[1:])).to(d.dtype))
     return False
+
+
+def _kv_fits(kv: tuple, n: int, device: torch.device) -> bool:
+    """Whether the Triton launch can write ``kv = (key, value, key_cache, value_cache)``: token rows of
+    ``[Hkv, D]`` each contiguous, caches ``[blocks, block_size, Hkv, D]`` of one shape with ``D`` contiguous,
+    everything on ``device``."""
+    k, v, kc, vc = kv
+    return (kc.dim() == 4 and vc.shape == kc.shape and kc.stride(3) == 1 and vc.stride(3) == 1
+            and all(t.device == device for t in kv)
+            and all(t.shape[0] >= n and t[0].numel() == kc.shape[2] * kc.shape[3] and _rows_contiguous(t)
+                    for t in (k, v)))
 
 
 SUMMARY_MAX_ROWS = 2048  # the longest part (rows) summarised by one Triton program (its rows in registers)

@@ -416,47 +416,119 @@ def _install(runner, kv_cache_config) -> None:
     engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()
     runner._attn_otel = engine
-    for spec in specs:
-        _tap_layer(engine, spec, layers[spec.name])
+    fused = sum(_tap_layer(engine, spec, layers[spec.name]) for spec in specs)
+    engine.fused_kv_layers = fused
     _ENGINES.append(engine)
     engine.warm_up()
-    logger.info("attn-otel: tap of %.1f MiB for %d slots; store %s", engine.tap.nbytes() / 2**20, num_slots,
-                config.store)
+    logger.info("attn-otel: tap of %.1f MiB for %d slots; store %s; keys and values written with the queries "
+                "(one launch) on %d of %d captured layers", engine.tap.nbytes() / 2**20, num_slots, config.store,
+                fused, len(specs))
 
 
-def _tap_layer(engine, spec, layer) -> None:
+def _fused_kv(layer, spec, dtype, device):
+    """``(kv_cache, key_cache, value_cache)`` where attn-otel can write the layer's keys and values itself,
+    in the launch that keeps its queries (``ATTN_OTEL_KV_WRITE=fused``), else None: FLASH_ATTN decoder
+    attention with an unquantised cache of its own, whose write vLLM does in ``impl.do_kv_cache_update``
+    (not inside the attention kernel), with a cache layout this knows, on a device with Triton."""
+    import torch
+
+    from . import triton_metrics
+
+    impl = layer.impl
+    if (type(impl).__name__ != "FlashAttentionImpl" or not callable(getattr(impl, "do_kv_cache_update", None))
+            or str(getattr(impl, "kv_cache_dtype", "")) != "auto"
+            or getattr(impl, "attn_type", "decoder") != "decoder"
+            or getattr(layer, "kv_sharing_target_layer_name", None) is not None
+            or getattr(getattr(layer, "attn_backend", None), "forward_includes_kv_cache_update", True)
+            or getattr(layer, "head_size_v", spec.head_dim) != spec.head_dim
+            or not triton_metrics.available(torch.device(device))):
+        return None
+    kv = getattr(layer, "kv_cache", None)
+    if isinstance(kv, (list, tuple)):
+        kv = kv[0] if kv else None
+    if not isinstance(kv, torch.Tensor) or kv.dtype != dtype:
+        return None
+    D, hkv = spec.head_dim, spec.num_kv_heads
+    if kv.dim() == 4 and kv.shape[1] == hkv and kv.shape[3] == 2 * D:  # vLLM 0.26: (blocks, Hkv, bs, K|V)
+        t = kv.transpose(1, 2)
+        return kv, t[..., :D], t[..., D:]
+    if kv.dim() == 5 and kv.shape[0] == 2 and kv.shape[3] == hkv and kv.shape[4] == D:  # (K|V, blocks, bs, Hkv, D)
+        return kv, kv[0], kv[1]
+    return None
+
+
+def _tap_layer(engine, spec, layer) -> bool:
+    """Wrap the layer's ``impl.forward`` so that each forward keeps its queries (and keys) for capture; with
+    ``ATTN_OTEL_KV_WRITE=fused`` where :func:`_fused_kv` allows it, that same launch also writes the layer's
+    keys and values to vLLM's cache and ``impl.do_kv_cache_update`` (which vLLM calls just before the
+    forward) stands aside.  Whatever fails, the cache is written exactly once: by the fused launch or by
+    vLLM's own update.  True where the layer's K/V write is fused."""
     from vllm.forward_context import get_forward_context
 
     impl = layer.impl
     orig = impl.forward
     if getattr(orig, "_attn_otel", False):
-        return
+        return False
     tap, index, name = engine.tap, spec.index, spec.name
     if spec.index in engine.streamed:
         tap = engine.stream
     q_scale = getattr(layer, "_q_scale", None)
+    fused = None
+    if engine.config.kv_write == "fused" and not (spec.index in engine.streamed and spec.index in tap.k_tap):
+        try:
+            fused = _fused_kv(layer, spec, engine.tap.dtype, engine.device)
+        except Exception:  # noqa: BLE001
+            fused = None
+    kv_own, views = (fused[0], fused[1:]) if fused is not None else (None, None)
+    orig_update = impl.do_kv_cache_update if fused is not None else None
+
+    def slot_mapping_of(attn_metadata):
+        slots = get_forward_context().slot_mapping
+        if isinstance(slots, list):
+            slots = slots[0]
+        slot_mapping = slots.get(name) if isinstance(slots, dict) else None
+        if slot_mapping is None:
+            slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+        return slot_mapping
 
     def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        # ours: the K/V write that do_kv_cache_update skipped (same condition there)
+        owed = fused is not None and kv_cache is kv_own and key is not None and value is not None
+        slot_mapping = None
         if attn_metadata is not None and key is not None:
             try:
-                slots = get_forward_context().slot_mapping
-                if isinstance(slots, list):
-                    slots = slots[0]
-                slot_mapping = slots.get(name) if isinstance(slots, dict) else None
-                if slot_mapping is None:
-                    slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+                slot_mapping = slot_mapping_of(attn_metadata)
                 if slot_mapping is not None:
                     q = query
                     if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
                         q = q.float() * q_scale
-                    tap.write(index, q, key, slot_mapping)
+                    kv = (key, value, *views) if owed else None
+                    if tap.write(index, q, key, slot_mapping, kv=kv):
+                        owed = False
             except Exception:  # noqa: BLE001
                 engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
                                  exc=True)
+        if owed:  # the fused launch did not write the cache: vLLM's own write, before the attention reads it
+            if slot_mapping is None:
+                slots = get_forward_context().slot_mapping
+                slot_mapping = slots.get(name) if isinstance(slots, dict) else None
+            if slot_mapping is not None:
+                orig_update(layer_, key, value, kv_cache, slot_mapping)
         return orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
     forward._attn_otel = True  # type: ignore[attr-defined]
     impl.forward = forward
+    if fused is None:
+        return False
+
+    def do_kv_cache_update(layer_, key, value, kv_cache, slot_mapping):
+        if kv_cache is kv_own and key is not None and value is not None:
+            return None  # the forward writes K and V, in the launch that keeps the queries
+        return orig_update(layer_, key, value, kv_cache, slot_mapping)
+
+    do_kv_cache_update._attn_otel = True  # type: ignore[attr-defined]
+    impl.do_kv_cache_update = do_kv_cache_update
+    return True
 
 
 def _vision_positions(new_req):

@@ -46,9 +46,10 @@ def test_every_variable_is_read():
         "ATTN_OTEL_STORE_TOKENS": "0",
         "ATTN_OTEL_SINK_TOKENS": "2",
         "ATTN_OTEL_WRITERS": "3",
+        "ATTN_OTEL_KV_WRITE": " VLLM",
     })
     assert config == Config(store="s3://bucket/prefix", layers=(0, 8, 16), maps_sample=0.5, max_map_tokens=4096,
-                            queue_bytes=1000, store_tokens=False, sink_tokens=2, writers=3)
+                            queue_bytes=1000, store_tokens=False, sink_tokens=2, writers=3, kv_write="vllm")
 
 
 def test_writer_count_auto_is_between_one_and_four():
@@ -73,6 +74,7 @@ def test_blank_store_falls_back_to_the_default():
     ("ATTN_OTEL_QUEUE_BYTES", "-5", "queue_bytes"),
     ("ATTN_OTEL_SINK_TOKENS", "four", "sink_tokens"),
     ("ATTN_OTEL_STORE_TOKENS", "maybe", "store_tokens"),
+    ("ATTN_OTEL_KV_WRITE", "both", "kv_write"),
 ])
 def test_bad_value_warns_and_falls_back(caplog, name, value, field):
     with caplog.at_level(logging.WARNING, logger="attn_otel"):

@@ -97,6 +97,61 @@ def test_scatter_rows_equals_index_copy():
     assert tk[:S].abs().sum() > 0
 
 
+@pytest.mark.parametrize("block_size, n, pad", [(16, 40, 2), (16, 1, 0), (64, 300, 7)])
+def test_fused_kv_write_equals_vllms_cache_write(block_size, n, pad):
+    """``ATTN_OTEL_KV_WRITE=fused``: the launch that keeps the queries also writes keys and values into
+    vLLM's paged cache ([blocks, Hkv, block_size, K|V], vLLM 0.26's FLASH_ATTN layout), bit for bit what
+    vLLM's own ``reshape_and_cache_flash`` writes, padded tokens (slot -1) writing nothing; with the stream's
+    ring table and with the tap's query and key (two pairs)."""
+    from vllm import _custom_ops as ops
+
+    from attn_otel import triton_metrics
+
+    g = torch.Generator(device="cuda").manual_seed(block_size + n)
+    H, Hkv, D, blocks, R = 8, 2, 128, 32, 512
+    S = blocks * block_size
+    qkv = torch.randn(n + pad + 3, (H + 2 * Hkv) * D, device="cuda", generator=g).bfloat16()
+    q = qkv[:, :H * D].view(-1, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(-1, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].view(-1, Hkv, D)
+    slots = torch.randperm(S, device="cuda", generator=g)[:n + pad]
+    if pad:
+        slots[-pad:] = -1  # CUDA-graph padding
+    cache = torch.randn(blocks, Hkv, block_size, 2 * D, device="cuda", generator=g).bfloat16()
+    want = cache.clone()
+    wk, wv = want.transpose(1, 2).split(D, dim=-1)
+    one = torch.ones((), device="cuda")
+    ops.reshape_and_cache_flash(k, v, wk, wv, slots, "auto", one, one)
+    assert not torch.equal(want, cache)  # vLLM wrote something
+    t = cache.transpose(1, 2)
+    kv = (k, v, t[..., :D], t[..., D:])
+    fixed = torch.where(slots < 0, S, slots)
+    # the stream's ring, through its slot -> row table
+    table = torch.full((S + 1,), R, dtype=torch.int64, device="cuda")
+    live = fixed[fixed < S]
+    table[live] = torch.randperm(R, device="cuda", generator=g)[:live.numel()]
+    ring = torch.zeros(R + 1, H, D, device="cuda", dtype=torch.bfloat16)
+    assert triton_metrics.scatter_rows(ring, q, slots, S, table=table, kv=kv)
+    assert torch.equal(cache, want)
+    rows = table[fixed]
+    assert torch.equal(ring[:R], torch.zeros_like(ring).index_copy_(0, rows, q[:n + pad])[:R])
+    # the tap's query and key, and the cache again (rewritten from scratch)
+    cache.copy_(torch.randn(cache.shape, device="cuda", generator=g).bfloat16())
+    want = cache.clone()
+    wk, wv = want.transpose(1, 2).split(D, dim=-1)
+    ops.reshape_and_cache_flash(k, v, wk, wv, slots, "auto", one, one)
+    tq = torch.zeros(S + 1, H, D, device="cuda", dtype=torch.bfloat16)
+    tk = torch.zeros(S + 1, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    assert triton_metrics.scatter_rows(tq, q, slots, S, dst2=tk, src2=k, kv=kv)
+    assert torch.equal(cache, want)
+    assert torch.equal(tk[:S], torch.zeros_like(tk).index_copy_(0, fixed, k[:n + pad])[:S])
+    # a cache whose head_dim is not contiguous is not written: the caller is told to write it itself
+    bad = (k, v, t[..., :D].transpose(2, 3), t[..., D:].transpose(2, 3))
+    before = cache.clone()
+    assert not triton_metrics.scatter_rows(ring, q, slots, S, table=table, kv=bad)
+    assert torch.equal(cache, before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_summary_kernel_equals_the_torch_summaries(dtype):
     """The finish-time summary on a GPU (one Triton program selects the quantiles of each part of a layer and

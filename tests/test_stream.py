@@ -49,12 +49,14 @@ class Toy:
         self.g = torch.Generator().manual_seed(seed)
         self.num_blocks = num_blocks
         self.device = device
-        self.cache = {}
+        self.cache, self.values = {}, {}
         for s in LAYERS:  # what vLLM binds to the layer: logical (blocks, Hkv, BS, 2D), physical (blocks, BS, Hkv, 2D)
             bound = torch.zeros(num_blocks, BS, HKV, 2 * D, dtype=torch.bfloat16, device=device).transpose(1, 2)
             self.cache[s.index] = _key_cache_view(SimpleNamespace(kv_cache=bound), s, torch.bfloat16)
+            self.values[s.index] = bound.transpose(1, 2)[..., D:]
             assert self.cache[s.index].shape == (num_blocks, BS, HKV, D)
         keys = {i: c for i, c in self.cache.items()} if keys_in_cache else None
+        self.keys_in_cache = keys_in_cache
         self.stream = MetricsStream(LAYERS, num_blocks * BS, rows, torch.bfloat16, device, BS, 4, keys)
         self.q, self.k, self.t = {}, {}, {}
         self.free = list(range(num_blocks))[::-1]
@@ -118,10 +120,18 @@ class Toy:
             for s in LAYERS:
                 q = torch.cat(qs[s.index] + [torch.full((3, H, D), 7.0, dtype=torch.bfloat16, device=self.device)])
                 k = torch.cat(ks[s.index] + [torch.full((3, HKV, D), 7.0, dtype=torch.bfloat16, device=self.device)])
-                self.stream.write(s.index, q.reshape(len(q), H * D), k.reshape(len(k), HKV * D), slots)
-                real = slots >= 0
-                c = self.cache[s.index]
-                c[slots[real] // BS, slots[real] % BS] = k[real]
+                k2 = k.reshape(len(k), HKV * D)
+                # the keys go to the cache in the query's launch where it can (CUDA: ATTN_OTEL_KV_WRITE=fused),
+                # else as vLLM writes them
+                kv = (k2, -k2, self.cache[s.index], self.values[s.index]) if self.keys_in_cache else None
+                if self.stream.write(s.index, q.reshape(len(q), H * D), k2, slots, kv=kv):
+                    real = slots >= 0
+                    assert torch.equal(self.values[s.index][slots[real] // BS, slots[real] % BS], -k[real])
+                else:
+                    assert self.device == "cpu" or not self.keys_in_cache
+                    real = slots >= 0
+                    c = self.cache[s.index]
+                    c[slots[real] // BS, slots[real] % BS] = k[real]
         return got
 
     def check(self, rid, got, vision=None):
