@@ -27,11 +27,12 @@ def hf_attention(path: str, token_ids, device: str = "cpu") -> np.ndarray:
     return np.stack([a[0].float().cpu().numpy() for a in out.attentions])
 
 
-def greedy_agreement(path: str, out, device: str = "cpu", margin: float = 0.5) -> tuple[int, int, int]:
+def greedy_agreement(path: str, out, device: str = "cpu", rel_margin: float = 0.1) -> tuple[int, int, int]:
     """vLLM's greedy tokens of one ``RequestOutput`` against HF eager fp32's argmax on the same ids: ``(tokens,
-    clear, agreed)`` where ``clear`` counts the positions whose HF top-two logits are more than ``margin``
-    apart (bf16 against fp32 may flip closer calls) and ``agreed`` those of them where vLLM chose HF's
-    argmax.  A KV cache written wrong shows as clear positions that disagree."""
+    clear, agreed)`` where ``clear`` counts the positions whose HF top-two logits are more than ``rel_margin``
+    standard deviations of that position's logits apart (bf16 against fp32 may flip closer calls) and
+    ``agreed`` those of them where vLLM chose HF's argmax.  A KV cache written wrong shows as clear positions
+    that disagree."""
     import torch
 
     model = hf_model(path, device)
@@ -40,9 +41,9 @@ def greedy_agreement(path: str, out, device: str = "cpu", margin: float = 0.5) -
     with torch.no_grad():
         logits = model(torch.tensor([ids[:-1]], device=device)).logits[0, len(prompt) - 1:].float()
     top = logits.topk(2, dim=-1)
-    clear = (top.values[:, 0] - top.values[:, 1]) > margin
+    clear = ((top.values[:, 0] - top.values[:, 1]) > rel_margin * logits.std(-1)).cpu()
     agree = top.indices[:, 0].cpu() == torch.tensor(gen)
-    return len(gen), int(clear.sum()), int((clear.cpu() & agree).sum())
+    return len(gen), int(clear.sum()), int((clear & agree).sum())
 
 
 def row_tv(a: np.ndarray, b: np.ndarray) -> np.ndarray:
