@@ -269,9 +269,10 @@ def _model_dtype(runner):
     return runner.vllm_config.model_config.dtype
 
 
-def _key_cache_view(layer, spec, dtype):
-    """``[blocks, block_size, Hkv, D]`` view of a layer's keys in vLLM's KV cache, or None where the
-    layout is not one this knows (only FLASH_ATTN with an unquantised cache qualifies)."""
+def _cache_views(layer, spec, dtype):
+    """``(kv_cache, key_cache, value_cache)``: the layer's bound cache tensor and ``[blocks, block_size, Hkv,
+    D]`` views of its keys and values, or None where the layout is not one this knows (only FLASH_ATTN with
+    an unquantised cache qualifies)."""
     import torch
 
     kv = getattr(layer, "kv_cache", None)
@@ -281,10 +282,18 @@ def _key_cache_view(layer, spec, dtype):
         return None
     D, hkv = spec.head_dim, spec.num_kv_heads
     if kv.dim() == 4 and kv.shape[1] == hkv and kv.shape[3] == 2 * D:  # vLLM 0.26: (blocks, Hkv, bs, K|V)
-        return kv.transpose(1, 2)[..., :D]
+        t = kv.transpose(1, 2)
+        return kv, t[..., :D], t[..., D:]
     if kv.dim() == 5 and kv.shape[0] == 2 and kv.shape[3] == hkv and kv.shape[4] == D:  # (K|V, blocks, bs, Hkv, D)
-        return kv[0]
+        return kv, kv[0], kv[1]
     return None
+
+
+def _key_cache_view(layer, spec, dtype):
+    """``[blocks, block_size, Hkv, D]`` view of a layer's keys in vLLM's KV cache, or None (see
+    :func:`_cache_views`)."""
+    views = _cache_views(layer, spec, dtype)
+    return views[1] if views is not None else None
 
 
 def _keys_from_cache(layers: list) -> bool:
@@ -443,26 +452,16 @@ def _fused_kv(layer, spec, dtype, device):
             or getattr(layer, "head_size_v", spec.head_dim) != spec.head_dim
             or not triton_metrics.available(torch.device(device))):
         return None
-    kv = getattr(layer, "kv_cache", None)
-    if isinstance(kv, (list, tuple)):
-        kv = kv[0] if kv else None
-    if not isinstance(kv, torch.Tensor) or kv.dtype != dtype:
-        return None
-    D, hkv = spec.head_dim, spec.num_kv_heads
-    if kv.dim() == 4 and kv.shape[1] == hkv and kv.shape[3] == 2 * D:  # vLLM 0.26: (blocks, Hkv, bs, K|V)
-        t = kv.transpose(1, 2)
-        return kv, t[..., :D], t[..., D:]
-    if kv.dim() == 5 and kv.shape[0] == 2 and kv.shape[3] == hkv and kv.shape[4] == D:  # (K|V, blocks, bs, Hkv, D)
-        return kv, kv[0], kv[1]
-    return None
+    return _cache_views(layer, spec, dtype)
 
 
 def _tap_layer(engine, spec, layer) -> bool:
     """Wrap the layer's ``impl.forward`` so that each forward keeps its queries (and keys) for capture; with
     ``ATTN_OTEL_KV_WRITE=fused`` where :func:`_fused_kv` allows it, that same launch also writes the layer's
-    keys and values to vLLM's cache and ``impl.do_kv_cache_update`` (which vLLM calls just before the
-    forward) stands aside.  Whatever fails, the cache is written exactly once: by the fused launch or by
-    vLLM's own update.  True where the layer's K/V write is fused."""
+    keys and values to vLLM's cache: ``impl.do_kv_cache_update`` (which vLLM calls just before the forward,
+    and only when it has a write to make) then leaves its write to the forward.  Whatever fails, the cache
+    is written exactly when and where vLLM would have written it: by the fused launch, or else by vLLM's own
+    update from the forward.  True where the layer's K/V write is fused."""
     from vllm.forward_context import get_forward_context
 
     impl = layer.impl
@@ -481,39 +480,33 @@ def _tap_layer(engine, spec, layer) -> bool:
             fused = None
     kv_own, views = (fused[0], fused[1:]) if fused is not None else (None, None)
     orig_update = impl.do_kv_cache_update if fused is not None else None
-
-    def slot_mapping_of(attn_metadata):
-        slots = get_forward_context().slot_mapping
-        if isinstance(slots, list):
-            slots = slots[0]
-        slot_mapping = slots.get(name) if isinstance(slots, dict) else None
-        if slot_mapping is None:
-            slot_mapping = getattr(attn_metadata, "slot_mapping", None)
-        return slot_mapping
+    owed: list = []  # the arguments of a do_kv_cache_update that left its write to the forward
 
     def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        # ours: the K/V write that do_kv_cache_update skipped (same condition there)
-        owed = fused is not None and kv_cache is kv_own and key is not None and value is not None
-        slot_mapping = None
+        update = owed.pop() if owed else None
+        wrote = False
         if attn_metadata is not None and key is not None:
             try:
-                slot_mapping = slot_mapping_of(attn_metadata)
+                if update is not None:
+                    slot_mapping = update[4]
+                else:
+                    slots = get_forward_context().slot_mapping
+                    if isinstance(slots, list):
+                        slots = slots[0]
+                    slot_mapping = slots.get(name) if isinstance(slots, dict) else None
+                    if slot_mapping is None:
+                        slot_mapping = getattr(attn_metadata, "slot_mapping", None)
                 if slot_mapping is not None:
                     q = query
                     if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
                         q = q.float() * q_scale
-                    kv = (key, value, *views) if owed else None
-                    if tap.write(index, q, key, slot_mapping, kv=kv):
-                        owed = False
+                    kv = (update[1], update[2], *views) if update is not None else None
+                    wrote = tap.write(index, q, key, slot_mapping, kv=kv)
             except Exception:  # noqa: BLE001
                 engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
                                  exc=True)
-        if owed:  # the fused launch did not write the cache: vLLM's own write, before the attention reads it
-            if slot_mapping is None:
-                slots = get_forward_context().slot_mapping
-                slot_mapping = slots.get(name) if isinstance(slots, dict) else None
-            if slot_mapping is not None:
-                orig_update(layer_, key, value, kv_cache, slot_mapping)
+        if update is not None and not wrote:  # vLLM's own write, before the attention reads the cache
+            orig_update(*update)
         return orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
     forward._attn_otel = True  # type: ignore[attr-defined]
@@ -523,6 +516,8 @@ def _tap_layer(engine, spec, layer) -> bool:
 
     def do_kv_cache_update(layer_, key, value, kv_cache, slot_mapping):
         if kv_cache is kv_own and key is not None and value is not None:
+            owed.clear()
+            owed.append((layer_, key, value, kv_cache, slot_mapping))
             return None  # the forward writes K and V, in the launch that keeps the queries
         return orig_update(layer_, key, value, kv_cache, slot_mapping)
 
