@@ -296,15 +296,14 @@ def _key_cache_view(layer, spec, dtype):
     return views[1] if views is not None else None
 
 
+def _flash_unquantised(impl) -> bool:
+    """FLASH_ATTN with an unquantised KV cache: the layouts :func:`_cache_views` knows."""
+    return type(impl).__name__ == "FlashAttentionImpl" and str(getattr(impl, "kv_cache_dtype", "auto")) == "auto"
+
+
 def _keys_from_cache(layers: list) -> bool:
     """Whether streamed layers can read their keys from vLLM's cache (else they keep a K-only tap)."""
-    for layer in layers:
-        impl = layer.impl
-        if type(impl).__name__ != "FlashAttentionImpl":
-            return False
-        if str(getattr(impl, "kv_cache_dtype", "auto")) != "auto":
-            return False
-    return True
+    return all(_flash_unquantised(layer.impl) for layer in layers)
 
 
 def _plan(runner, config, specs, layers, par=None):
@@ -444,8 +443,7 @@ def _fused_kv(layer, spec, dtype, device):
     from . import triton_metrics
 
     impl = layer.impl
-    if (type(impl).__name__ != "FlashAttentionImpl" or not callable(getattr(impl, "do_kv_cache_update", None))
-            or str(getattr(impl, "kv_cache_dtype", "")) != "auto"
+    if (not _flash_unquantised(impl) or not callable(getattr(impl, "do_kv_cache_update", None))
             or getattr(impl, "attn_type", "decoder") != "decoder"
             or getattr(layer, "kv_sharing_target_layer_name", None) is not None
             or getattr(getattr(layer, "attn_backend", None), "forward_includes_kv_cache_update", True)

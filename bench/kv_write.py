@@ -35,7 +35,7 @@ def _setup(n: int):
     caches = [torch.zeros(BLOCKS, HKV, BS, 2 * D, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
     ring = torch.zeros(LAYERS, ROWS + 1, H, D, device="cuda", dtype=torch.bfloat16)
     table = torch.full((S + 1,), ROWS, dtype=torch.int64, device="cuda")
-    table[slots] = torch.randperm(ROWS, device="cuda", generator=g)[:n] if n <= ROWS else 0
+    table[slots] = torch.randperm(ROWS, device="cuda", generator=g)[:n]
     return q, k, v, slots, caches, ring, table, S
 
 

@@ -149,12 +149,17 @@ def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict
     import torch
     import vllm
 
+    kv_write = None  # as the capture engine reads it (a bad value: its default)
+    if phase in ("auto", "all"):
+        from attn_otel.config import Config
+
+        kv_write = Config.from_env().kv_write
     gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
     result = {"phase": phase, "device": torch.cuda.get_device_name(0), "gpu": gpu, "vllm_version": vllm.__version__,
               "engine_start_s": start_s, "kv_cache_blocks": cache.num_gpu_blocks,
               "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
-              "kv_write": os.environ.get("ATTN_OTEL_KV_WRITE", "fused") if phase in ("auto", "all") else None}
+              "kv_write": kv_write}
     variants = [("metrics", 0.0)] + ([("maps_1pct", 0.01)] if phase == "auto" else [])
     for wl in workloads:
         for label, frac in variants:

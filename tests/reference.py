@@ -27,23 +27,26 @@ def hf_attention(path: str, token_ids, device: str = "cpu") -> np.ndarray:
     return np.stack([a[0].float().cpu().numpy() for a in out.attentions])
 
 
-def greedy_agreement(path: str, out, device: str = "cpu", rel_margin: float = 0.1) -> tuple[int, int, int]:
-    """vLLM's greedy tokens of one ``RequestOutput`` against HF eager fp32's argmax on the same ids: ``(tokens,
-    clear, agreed)`` where ``clear`` counts the positions whose HF top-two logits are more than ``rel_margin``
-    standard deviations of that position's logits apart (bf16 against fp32 may flip closer calls) and
-    ``agreed`` those of them where vLLM chose HF's argmax.  A KV cache written wrong shows as clear positions
-    that disagree."""
+def greedy_agreement(path: str, outs, device: str = "cpu", rel_margin: float = 0.1) -> tuple[int, int, int]:
+    """vLLM's greedy tokens of ``RequestOutput``s against HF eager fp32's argmax on the same ids: ``(tokens,
+    clear, agreed)`` summed over them, where ``clear`` counts the positions whose HF top-two logits are more
+    than ``rel_margin`` standard deviations of that position's logits apart (bf16 against fp32 may flip
+    closer calls) and ``agreed`` those of them where vLLM chose HF's argmax.  A KV cache written wrong shows
+    as clear positions that disagree."""
     import torch
 
     model = hf_model(path, device)
-    prompt, gen = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
-    ids = prompt + gen
-    with torch.no_grad():
-        logits = model(torch.tensor([ids[:-1]], device=device)).logits[0, len(prompt) - 1:].float()
-    top = logits.topk(2, dim=-1)
-    clear = ((top.values[:, 0] - top.values[:, 1]) > rel_margin * logits.std(-1)).cpu()
-    agree = top.indices[:, 0].cpu() == torch.tensor(gen)
-    return len(gen), int(clear.sum()), int((clear & agree).sum())
+    tokens = clear_n = agreed = 0
+    for out in outs:
+        prompt, gen = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        ids = prompt + gen
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[:-1]], device=device)).logits[0, len(prompt) - 1:].float()
+        top = logits.topk(2, dim=-1)
+        clear = ((top.values[:, 0] - top.values[:, 1]) > rel_margin * logits.std(-1)).cpu()
+        agree = top.indices[:, 0].cpu() == torch.tensor(gen)
+        tokens, clear_n, agreed = tokens + len(gen), clear_n + int(clear.sum()), agreed + int((clear & agree).sum())
+    return tokens, clear_n, agreed
 
 
 def row_tv(a: np.ndarray, b: np.ndarray) -> np.ndarray:

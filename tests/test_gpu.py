@@ -96,10 +96,7 @@ def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
     # The layers' keys and values reach vLLM's cache in the launch that keeps the queries
     # (ATTN_OTEL_KV_WRITE=fused): the model still computes what HF computes.
     results["fused_kv_layers"] = engine.fused_kv_layers
-    tokens = clear = agreed = 0
-    for out in outs1 + outs2 + outs3:
-        n, c, a = greedy_agreement(gpu_model, out, device="cuda")
-        tokens, clear, agreed = tokens + n, clear + c, agreed + a
+    tokens, clear, agreed = greedy_agreement(gpu_model, outs1 + outs2 + outs3, device="cuda")
     results["greedy"] = {"tokens": tokens, "clear": clear, "agreed": agreed}
     results["stats"] = engine.stats.snapshot()
     print("GPU exactness:", json.dumps(results))
@@ -180,9 +177,7 @@ def test_gpu_kv_write_falls_back_to_vllms_own(gpu_engine, gpu_model, monkeypatch
     prompts = [rng.integers(10, 4000, 60 + 90 * i).tolist() for i in range(4)]
     outs, traces = _run(llm, prompts, [12] * 4)
     assert calls and all(calls)  # the launch would have fitted: the refusal is what sent it back to vLLM
-    tokens = clear = agreed = 0
     for out, t in zip(outs, traces):
         check_exact(store, gpu_model, out, t, LAYERS, HEADS, device="cuda")
-        n, c, a = greedy_agreement(gpu_model, out, device="cuda")
-        tokens, clear, agreed = tokens + n, clear + c, agreed + a
+    tokens, clear, agreed = greedy_agreement(gpu_model, outs, device="cuda")
     assert clear >= tokens // 2 and agreed == clear, (tokens, clear, agreed)
