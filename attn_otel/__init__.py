@@ -25,17 +25,8 @@ API
 :func:`open_trace`, :func:`list_captures`, :class:`Capture`, :class:`Config`.
 """
 
-import os as _os
-
-# exporters/ lives at the repository's top level; wheels pack it as attn_otel/exporters.  In a source
-# checkout (editable installs, tests) this package's path is extended so ``attn_otel.exporters`` finds it.
-_here = _os.path.dirname(__file__)
-if not _os.path.isdir(_os.path.join(_here, "exporters")) and _os.path.isfile(
-        _os.path.join(_here, _os.pardir, "exporters", "__init__.py")):
-    __path__.append(_os.path.normpath(_os.path.join(_here, _os.pardir)))  # type: ignore[name-defined]
-
-from .config import Config  # noqa: E402
-from .reader import Capture, TraceNotFound, list_captures, open_trace  # noqa: E402
+from .config import Config
+from .reader import Capture, TraceNotFound, list_captures, open_trace
 
 __all__ = ["Capture", "Config", "TraceNotFound", "list_captures", "open_trace"]
 __version__ = "0.1.0"

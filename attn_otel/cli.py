@@ -34,6 +34,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from . import demo  # imports vLLM only when it runs
 from .config import ATTN_OTEL_STORE, parse_layers
 from .reader import Capture, _store_url, list_captures, open_trace
 from .store import StoreError, collect_garbage, open_zarr_store, redact_url
@@ -554,10 +555,29 @@ def add_gc(subparsers, common: argparse.ArgumentParser) -> None:
 
 # --- entry point ---------------------------------------------------------------------------------------
 
-def add_demo(subparsers, common: argparse.ArgumentParser) -> None:
-    from .demo import add_demo as add  # the demo imports vLLM only when it runs
+def cmd_demo(args: argparse.Namespace) -> int:
+    got = demo.run(args)  # serves SmolLM2 with capture on; prints the requests and their trace ids
+    if got is None:
+        return 1
+    shown, store, model = got
+    layer = shown.layers[len(shown.layers) // 2]
+    png = Path(args.output)
+    print(f"[4/4] heatmap of trace {shown.trace_id}, layer {layer} -> {png}", file=sys.stderr, flush=True)
+    rc = main(["show", shown.trace_id, "--layer", str(layer), "--store", store, "--tokenizer", model, "-o", str(png)])
+    print()
+    print("next:")
+    print(f"  .venv/bin/attn-otel ls --store {store}")
+    print(f"  .venv/bin/attn-otel fetch {shown.trace_id} -o out.npz --store {store}")
+    print(f"  .venv/bin/attn-otel show {shown.trace_id} --layer {shown.layers[-1]} --log -o map.png --store {store}")
+    return rc
 
-    add(subparsers, common)
+
+def add_demo(subparsers, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser("demo", parents=[common], help="serve SmolLM2 with capture on, store and draw maps",
+                              description=demo.__doc__)
+    p.add_argument("-o", "--output", default="attn-otel-demo.png", help="heatmap PNG (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per request")
+    p.set_defaults(func=cmd_demo)
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None]] = [

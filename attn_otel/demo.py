@@ -12,7 +12,6 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 PROMPTS = [  # (mode, text, chat): the first is a plain completion, the others go through the chat template
     ("maps", "The capital of France is", False),
@@ -35,8 +34,9 @@ def _wait(store: str, before: set[tuple[str, str]], want: int, timeout: float):
         time.sleep(0.5)
 
 
-def run(args: argparse.Namespace) -> int:
-    from .cli import main as cli_main
+def run(args: argparse.Namespace):
+    """Steps 1-3 of the demo; returns ``(capture to draw, store, model folder)``, or None when captures are
+    missing (the CLI's ``demo`` command draws it, step 4)."""
     from .config import Config
     from .ids import new_span_id, new_trace_id
     from .reader import list_captures
@@ -89,23 +89,5 @@ def run(args: argparse.Namespace) -> int:
             shown = cap
     if len(caps) < len(prompts):
         print(f"attn-otel demo: only {len(caps)} of {len(prompts)} captures arrived", file=sys.stderr)
-        return 1
-    png = Path(args.output)
-    layer = shown.layers[len(shown.layers) // 2]
-    print(f"[4/4] heatmap of trace {shown.trace_id}, layer {layer} -> {png}", file=sys.stderr, flush=True)
-    rc = cli_main(["show", shown.trace_id, "--layer", str(layer), "--store", store, "--tokenizer", model,
-                   "-o", str(png)])
-    print()
-    print("next:")
-    print(f"  .venv/bin/attn-otel ls --store {store}")
-    print(f"  .venv/bin/attn-otel fetch {shown.trace_id} -o out.npz --store {store}")
-    print(f"  .venv/bin/attn-otel show {shown.trace_id} --layer {shown.layers[-1]} --log -o map.png --store {store}")
-    return rc
-
-
-def add_demo(subparsers, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser("demo", parents=[common], help="serve SmolLM2 with capture on, store and draw maps",
-                              description=__doc__)
-    p.add_argument("-o", "--output", default="attn-otel-demo.png", help="heatmap PNG (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=24, help="tokens generated per request")
-    p.set_defaults(func=run)
+        return None
+    return shown, store, model

@@ -1,6 +1,6 @@
 """Per-row metrics of the *streamed* layers, computed while requests run, so their queries need not stay.
 
-The Q/K tap (:class:`attn_otel.capture.QKTap`) keeps every KV-cache token's query for the request's whole
+The Q/K tap (:class:`attn_otel.tap.QKTap`) keeps every KV-cache token's query for the request's whole
 life: on all 32 layers of an 8B model that is 2.5 times the KV cache's own bytes per token, and vLLM's KV
 cache shrinks to 0.29x (docs/benchmarks/overhead.md).  A streamed layer instead keeps:
 
@@ -38,6 +38,7 @@ import torch
 
 from . import triton_metrics
 from .attention import METRICS, attention_metrics
+from .slots import slots_of, upload
 
 logger = logging.getLogger("attn_otel")
 
@@ -54,23 +55,6 @@ class _Live:
     next: int = 0  # the position its next row should have
     shared: bool = False  # some of its positions were computed by another request (a prefix-cache hit)
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
-
-
-def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device`` with no sync: through pinned memory, non-blocking, on a GPU (a blocking
-    copy would wait for, and so drain, the work the engine has queued ahead)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def slots_of(block_ids: Sequence[int], block_size: int, start: int, n: int) -> np.ndarray:
-    """KV-cache slots of positions ``start .. start + n - 1`` of a request with these blocks."""
-    if n == 1:
-        return np.asarray([block_ids[start // block_size] * block_size + start % block_size], dtype=np.int64)
-    pos = np.arange(start, start + n, dtype=np.int64)
-    return np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 
 
 class Side:
@@ -233,14 +217,7 @@ class MetricsStream:
                 tap = torch.zeros((S + 1, Hkv, D), dtype=dtype, device=device)
                 self.k_tap[s.index] = tap
                 self.keys[s.index] = tap[:, None]
-        self._fused = triton_metrics.available(self.device)
-        # one launch for every layer where their keys allow it (vLLM's per-layer caches: one shape and dtype)
-        self._layered = None
-        if self._fused and len({s.scale for s in self.layers}) == 1:
-            caches = [self.keys[s.index] for s in self.layers]
-            offs = triton_metrics.key_offsets(caches)
-            if offs is not None:
-                self._layered = (caches, torch.tensor(offs, dtype=torch.int64, device=self.device))
+        self.kernels = FlushKernels(self.layers, self.q, self.keys, self.metrics, self.sink_tokens, self.device)
         # host side: a stack of free ring rows; per ring row its owner (-1: free), position and slot; per
         # slot the owner of its pending row (-1: none)
         self._free = np.arange(R - 1, -1, -1, dtype=np.int64)
@@ -257,8 +234,6 @@ class MetricsStream:
         self.flushes = 0
         self.flushed_rows = 0
         self.host_s = 0.0  # engine-loop time spent here (schedule and flush)
-        self.device_s = 0.0  # device time of the flush kernels (and their uploads), as far as completed
-        self._timing: list = []
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -302,25 +277,12 @@ class MetricsStream:
         """Compile the flush kernel by running it on one row: the padding ring row against the key at slot 0,
         whose metrics entry is reset after.  At engine start, before any request; returns the number of
         launches."""
-        if not self._fused:
-            return 0
-        up = self._up
-        z = np.zeros(1, dtype=np.int32)
-        one = np.asarray([0, 1], dtype=np.int32)
-        rows_d, cu_d, first_d, prompt_d = up(np.asarray([self.rows], dtype=np.int64)), up(one), up(z), up(one[1:])
-        keys_d = up(np.zeros(1, dtype=np.int64))
-        if self._layered is not None:
-            caches, offs = self._layered
-            triton_metrics.row_metrics_stream_layers(
-                self.q, rows_d, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, 1, self.layers[0].scale,
-                self.sink_tokens, None, None, self.metrics)
-        else:
-            spec = self.layers[0]
-            triton_metrics.row_metrics_stream(
-                self.q[0], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
-                self.sink_tokens, None, None, self.metrics[0])
-        self.metrics[:, 0].fill_(float("nan"))
-        return 1
+        return self.kernels.warm_up(self.rows)
+
+    @property
+    def device_s(self) -> float:
+        """Device time of the flush kernels (and their uploads), as far as completed."""
+        return self.kernels.device_s
 
     # ------------------------------------------------------------------ in the forward (graph-safe)
     def write(self, layer: int, query: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor,
@@ -406,7 +368,7 @@ class MetricsStream:
         self._row_pos[rows] = np.asarray(pos_l, dtype=np.int64)
         self._row_slot[rows] = slots
         self._owner[slots] = owners
-        pair = self._up(np.stack([slots, rows]))
+        pair = upload(np.stack([slots, rows]), self.device)
         self.ring_of_slot.index_copy_(0, pair[0], pair[1])
 
     def finish(self, req_ids: Iterable[str]) -> None:
@@ -488,17 +450,17 @@ class MetricsStream:
             vm_parts = [np.zeros(len(ks), dtype=np.float32) if vm is None else vm for vm, ks in zip(vm_parts, key_slots)]
             vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
         seq = 0
-        if self._fused:
+        if self.kernels.fused:
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
-                self._flush_fused(firsts, counts, rows, key_slots, prompt, vm_parts if vision_any else None,
-                                  vc_parts if vision_any else None)
+                self.kernels.run_fused(firsts, counts, rows, key_slots, prompt, vm_parts if vision_any else None,
+                                       vc_parts if vision_any else None)
                 seq = self.side.mark()
         else:
-            self._flush_torch(firsts, counts, rows, starts, key_slots, prompt, vm_parts if vision_any else None)
+            self.kernels.run_torch(firsts, counts, rows, starts, key_slots, prompt, vm_parts if vision_any else None)
         # Their slots point at the padding row again (on the engine's stream, ordered with the slot table's
         # other updates); the rows are free once the flush has read them (see _reclaim).
-        self.ring_of_slot.index_fill_(0, self._up(row_slots), self.rows)
+        self.ring_of_slot.index_fill_(0, upload(row_slots, self.device), self.rows)
         self._owner[row_slots] = -1
         self._row_owner[rows] = -1
         n = rows.shape[0]
@@ -513,10 +475,36 @@ class MetricsStream:
         self.flushes += 1
         self.flushed_rows += n
 
-    def _up(self, a: np.ndarray) -> torch.Tensor:
-        return upload(a, self.device)
+    # ------------------------------------------------------------------ at finish
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per-row metrics of every streamed layer at these slots: ``[layers, len(slots), 7, Hq]`` float16."""
+        return self.metrics.index_select(1, slots)
 
-    def _flush_fused(self, firsts, counts, rows_np, key_slots, prompt, vm_parts, vc_parts) -> None:
+
+class FlushKernels:
+    """The device side of a flush: the pending rows' metrics against their keys, into the per-slot buffer,
+    with the Triton kernels (one launch for every layer where their key caches allow it) or, on a CPU,
+    the torch reference (:func:`attn_otel.attention.attention_metrics`)."""
+
+    def __init__(self, layers: Sequence[Any], q: torch.Tensor, keys: dict[int, torch.Tensor],
+                 metrics: torch.Tensor, sink_tokens: int, device: torch.device):
+        self.layers = layers
+        self.pos = {s.index: i for i, s in enumerate(layers)}
+        self.q, self.keys, self.metrics = q, keys, metrics
+        self.sink_tokens = sink_tokens
+        self.device = device
+        self.fused = triton_metrics.available(device)
+        # one launch for every layer where their keys allow it (vLLM's per-layer caches: one shape and dtype)
+        self._layered = None
+        if self.fused and len({s.scale for s in layers}) == 1:
+            caches = [keys[s.index] for s in layers]
+            offs = triton_metrics.key_offsets(caches)
+            if offs is not None:
+                self._layered = (caches, torch.tensor(offs, dtype=torch.int64, device=device))
+        self.device_s = 0.0  # device time of the flush kernels (and their uploads), as far as completed
+        self._timing: list = []
+
+    def run_fused(self, firsts, counts, rows_np, key_slots, prompt, vm_parts, vc_parts) -> None:
         cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)
         cu_rows[1:] = np.cumsum(counts)
         cu_keys = np.zeros(len(counts) + 1, dtype=np.int32)
@@ -526,7 +514,9 @@ class MetricsStream:
             self._poll_timing()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        up = self._up
+        def up(a: np.ndarray) -> torch.Tensor:
+            return upload(a, self.device)
+
         rows_d, cu_rows_d, first_d = up(rows_np), up(cu_rows), up(np.asarray(firsts, dtype=np.int32))
         keys_d, cu_keys_d = up(np.concatenate(key_slots)), up(cu_keys)
         prompt_d = up(np.asarray(prompt, dtype=np.int32))
@@ -554,7 +544,7 @@ class MetricsStream:
             a, b = self._timing.pop(0)
             self.device_s += a.elapsed_time(b) / 1000.0
 
-    def _flush_torch(self, firsts, counts, rows_np, starts, key_slots, prompt, vm_parts) -> None:
+    def run_torch(self, firsts, counts, rows_np, starts, key_slots, prompt, vm_parts) -> None:
         """The same rows through the torch reference (CPU builds): a query tensor of the request's length with
         only the pending rows filled, metrics from the first pending row on."""
         for b in range(len(firsts)):
@@ -575,7 +565,28 @@ class MetricsStream:
                 res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a)
                 self.metrics[li].index_copy_(0, out_slots, res[:, :, a:end].permute(2, 0, 1).to(torch.float16))
 
-    # ------------------------------------------------------------------ at finish
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Per-row metrics of every streamed layer at these slots: ``[layers, len(slots), 7, Hq]`` float16."""
-        return self.metrics.index_select(1, slots)
+    def warm_up(self, pad_row: int) -> int:
+        """Compile the flush kernel on one row (the ring's padding row ``pad_row``); see
+        :meth:`MetricsStream.warm_up`."""
+        if not self.fused:
+            return 0
+
+        def up(a: np.ndarray) -> torch.Tensor:
+            return upload(a, self.device)
+
+        z = np.zeros(1, dtype=np.int32)
+        one = np.asarray([0, 1], dtype=np.int32)
+        rows_d, cu_d, first_d, prompt_d = up(np.asarray([pad_row], dtype=np.int64)), up(one), up(z), up(one[1:])
+        keys_d = up(np.zeros(1, dtype=np.int64))
+        if self._layered is not None:
+            caches, offs = self._layered
+            triton_metrics.row_metrics_stream_layers(
+                self.q, rows_d, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, 1, self.layers[0].scale,
+                self.sink_tokens, None, None, self.metrics)
+        else:
+            spec = self.layers[0]
+            triton_metrics.row_metrics_stream(
+                self.q[0], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
+                self.sink_tokens, None, None, self.metrics[0])
+        self.metrics[:, 0].fill_(float("nan"))
+        return 1

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .slots import upload
+
 try:
     import triton
     import triton.language as tl
@@ -408,7 +410,6 @@ def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], visi
                 return False
             if n > 0:
                 segs.setdefault(max(16, triton.next_power_of_2(n)), []).append((b, part, start, n))
-    from .stream import upload
 
     L, M, H, _ = per_row.shape
     for block, all_items in sorted(segs.items()):

@@ -191,7 +191,7 @@ def _refusal(layer) -> str | None:
 def _layer_specs(runner, config, groups_by_layer=None, log=False):
     from vllm.model_executor.models.utils import extract_layer_index
 
-    from .capture import LayerSpec
+    from .tap import LayerSpec
     from .config import resolve_layers
 
     ctx = runner.vllm_config.compilation_config.static_forward_context
@@ -239,7 +239,7 @@ def _parallel(runner, config, specs):
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
     from vllm.distributed.utils import get_pp_indices
 
-    from .capture import Parallel
+    from .tracking import Parallel
     from .config import resolve_layers
 
     pc = runner.vllm_config.parallel_config
@@ -335,7 +335,7 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
     """Give the tap its share of the KV budget: KV tokens shrink by kv/(kv + tap) per token."""
     available = orig(worker, *args, **kwargs)
     try:
-        from .capture import capture_bytes_per_token
+        from .tap import capture_bytes_per_token
         from .config import Config
         from .stream import MetricsStream
 
@@ -377,7 +377,8 @@ def _after_initialize_kv_cache(orig, runner, kv_cache_config, *args, **kwargs):
 def _install(runner, kv_cache_config) -> None:
     import vllm
 
-    from .capture import CaptureEngine, RequestTracker
+    from .capture import CaptureEngine
+    from .tracking import RequestTracker
     from .config import Config
 
     config = Config.from_env()
@@ -552,7 +553,7 @@ def _output_tokens(runner, req_ids: list[str]) -> list[tuple[list[int] | None, o
         return [(None, None)] * len(req_ids)
     import numpy as np
 
-    from .stream import upload
+    from .slots import upload
 
     src = rs.all_token_ids.gpu
     rows = iter(src.index_select(0, upload(np.asarray(have, dtype=np.int64), src.device)))  # a row each
@@ -571,7 +572,7 @@ def _before_step(orig, runner, scheduler_output, *args, **kwargs):
 
 
 def _track(runner, engine, so) -> None:
-    from .capture import FinishedRequest
+    from .tracking import FinishedRequest
 
     tracker = engine.tracker
     stream = engine.stream

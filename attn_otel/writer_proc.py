@@ -18,6 +18,10 @@ first, marker last; then OpenTelemetry and Prometheus, see :mod:`attn_otel.expor
 line on stdout: ``{"id": 7, "ok": true, "bytes": N, "errors": {exporter: message}}`` or
 ``{"id": 7, "ok": false, "error": "..."}`` when the message itself could not be read.
 The engine side unlinks the segment after the answer.  EOF on stdin ends the writer.
+
+Started as a process, the writer first imports what it needs and builds its exporters, then says
+``{"ready": true}`` on stdout: the engine side's per-capture timeout (``ATTN_OTEL_WRITER_TIMEOUT_S``)
+counts from there, so a slow start (a loaded machine, a cold import cache) is not a hung writer.
 """
 
 from __future__ import annotations
@@ -62,16 +66,25 @@ def _config(store_url: str, config_json: str | None):
     return Config(**{**fields, "store": store_url})
 
 
-def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = None) -> None:
+def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = None, announce: bool = False) -> None:
+    """Answer capture messages from ``stdin`` until EOF; ``announce``: build the exporters first and say
+    ``{"ready": true}`` (a writer process does; see the module's docstring)."""
     import numpy as np
 
-    from .metrics import summary_only
     from .exporters import ExportItem, build_exporters
+    from .metrics import summary_only
     from .store import CaptureRecord
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     fanout = None
+    if announce:
+        try:
+            fanout = build_exporters(_config(store_url, config_json))
+        except Exception:  # noqa: BLE001 - built (and its failure reported) with the first capture instead
+            fanout = None
+        stdout.write(json.dumps({"ready": True}) + "\n")
+        stdout.flush()
     for line in stdin:
         if not line.strip():
             continue
@@ -123,4 +136,4 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
 
 if __name__ == "__main__":
     os_thread_name("attn-otel-wproc")  # in top and /proc, not one more "python3"
-    serve(sys.argv[1], config_json=sys.argv[2] if len(sys.argv) > 2 else None)
+    serve(sys.argv[1], config_json=sys.argv[2] if len(sys.argv) > 2 else None, announce=True)

@@ -4,7 +4,6 @@ import dataclasses
 import logging
 from typing import Any, Protocol, Sequence
 
-from ..config import Config
 from ..store import CaptureRecord
 
 logger = logging.getLogger("attn_otel")
@@ -90,30 +89,3 @@ class FanOut:
                 exp.shutdown()
             except Exception as e:  # noqa: BLE001
                 logger.warning("attn-otel: exporter %s did not shut down cleanly: %s", exp.name, e)
-
-
-def build_exporters(config: Config) -> FanOut:
-    """The exporters this configuration asks for: the Zarr store always, then OpenTelemetry and
-    Prometheus when their libraries are importable and they are not turned off."""
-    from .zarr_store import ZarrExporter
-
-    exporters: list[Exporter] = [ZarrExporter(config.store, config.row_metrics)]
-    for module, cls in (("otel", "OtelExporter"), ("prometheus", "PrometheusExporter")):
-        try:
-            mod = __import__(f"{__name__.rsplit('.', 1)[0]}.{module}", fromlist=[cls])
-        except ImportError:  # its library is not installed: that exporter is simply off
-            continue
-        except Exception as e:  # noqa: BLE001 - a broken exporter module must not stop the store
-            logger.warning("attn-otel: exporter %s is off: %s: %s", module, type(e).__name__, e)
-            continue
-        factory = getattr(mod, "from_config", None)
-        if factory is None:
-            continue
-        try:
-            exp = factory(config)
-        except Exception as e:  # noqa: BLE001 - a misconfigured exporter must not stop the store
-            logger.warning("attn-otel: exporter %s is off: %s", module, e)
-            continue
-        if exp is not None:
-            exporters.append(exp)
-    return FanOut(exporters)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import attn_otel
-from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec
+from attn_otel.capture import CaptureEngine
+from attn_otel.tap import LayerSpec
+from attn_otel.tracking import FinishedRequest
 from attn_otel.config import Config
 from attn_otel.ids import new_span_id, new_trace_id
 
@@ -70,7 +72,9 @@ def test_pending_captures_are_written_when_the_process_exits(tmp_path):
     trace = new_trace_id()
     script = textwrap.dedent(f"""
         import torch
-        from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec
+        from attn_otel.capture import CaptureEngine
+        from attn_otel.tap import LayerSpec
+        from attn_otel.tracking import FinishedRequest
         from attn_otel.config import Config
         spec = LayerSpec(index=0, name="l0", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
         eng = CaptureEngine(Config(store={str(tmp_path / "store")!r}), [spec], 4096, torch.float32, "cpu")
@@ -185,8 +189,8 @@ def test_maps_captures_keep_their_rows_by_default(tmp_path):
 def test_the_clients_sampled_flag_reaches_the_record(tmp_path):
     eng = _engine(tmp_path, writer="thread")
     seen = []
-    orig = eng._write_in_thread
-    eng._write_in_thread = lambda rec, job, names, latency: (seen.append(rec.sampled), orig(rec, job, names, latency))[1]
+    orig = eng.writers._write_in_thread
+    eng.writers._write_in_thread = lambda rec, job, names, latency: (seen.append(rec.sampled), orig(rec, job, names, latency))[1]
     for flags in ("01", "00"):
         req = _req(30, "metrics", new_trace_id())
         req.extra_args["traceparent"] = req.extra_args["traceparent"][:-2] + flags
@@ -203,7 +207,7 @@ def test_a_writer_process_that_stops_answering_is_replaced(tmp_path):
     first = new_trace_id()
     eng.on_finished(_req(20, "metrics", first))
     assert eng.flush(60)
-    (proc,) = eng._writer_procs
+    (proc,) = eng.writers.procs
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         eng.on_finished(_req(21, "metrics", new_trace_id()))
@@ -216,7 +220,7 @@ def test_a_writer_process_that_stops_answering_is_replaced(tmp_path):
     last = new_trace_id()
     eng.on_finished(_req(22, "metrics", last))
     assert eng.flush(60)
-    assert len(eng._writer_procs) == 2 and eng.stats.snapshot()["stored"] == 2
+    assert len(eng.writers.procs) == 2 and eng.stats.snapshot()["stored"] == 2
     for trace in (first, last):
         (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
     eng.close()

@@ -12,7 +12,9 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
-    from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec
+    from attn_otel.capture import CaptureEngine
+    from attn_otel.tap import LayerSpec
+    from attn_otel.tracking import FinishedRequest
     from attn_otel.config import Config
     torch.manual_seed(0)
     T = int(sys.argv[1]); H, KV, D = 9, 3, 64
@@ -23,14 +25,14 @@ SCRIPT = textwrap.dedent("""
     req = FinishedRequest("r", list(range(T - 8)), list(range(8)), T, [list(range(T // 16 + 1))], [16],
                           {"attn_otel": "metrics"})
     warm = FinishedRequest("w", list(range(8)), [1], 9, [list(range(1))], [16], {"attn_otel": "metrics"})
-    eng._capture(warm)  # first-call costs (kernels, lazy imports) are not per-token memory
+    eng.on_finished(warm)  # first-call costs (kernels, lazy imports) are not per-token memory
     eng.flush(60)
     def kib(field):
         return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets the peak resident set (VmHWM) to the current one
     base = kib("VmRSS:")
-    eng._capture(req)
+    eng.on_finished(req)
     eng.flush(60)  # the math runs on the compute thread
     peak = kib("VmHWM:")
     eng.flush(60)

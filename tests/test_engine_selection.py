@@ -69,7 +69,7 @@ def test_request_layers_select_a_subset(engine):
 def test_bad_values_warn_and_the_request_is_still_served(engine, caplog, extra, needle):
     from vllm import SamplingParams
 
-    engine.capture._warned.clear()  # warnings are logged once per kind; this test looks at each
+    engine.capture.warn_once.reset()  # warnings are logged once per kind; this test looks at each
     caplog.set_level(logging.WARNING, logger="attn_otel")
     args = {"attn_otel": "metrics", **extra} if "attn_otel" not in extra else dict(extra)
     before = engine.capture.stats.snapshot()["stored"]
@@ -80,20 +80,20 @@ def test_bad_values_warn_and_the_request_is_still_served(engine, caplog, extra, 
 
 
 def test_layers_that_are_not_captured_are_a_warning(engine, caplog, tmp_path):
-    engine.capture._warned.clear()
+    engine.capture.warn_once.reset()
     caplog.set_level(logging.WARNING, logger="attn_otel")
     _one(engine, {"attn_otel": "maps", "attn_otel_layers": "99"})
     assert any("only" in r.getMessage() and "99" in r.getMessage() for r in caplog.records)
 
 
 def test_a_failure_inside_capture_is_logged_once_counted_and_the_request_completes(engine, caplog, monkeypatch):
-    import attn_otel.capture as capture_mod
+    import attn_otel.compute as compute_mod
 
     def boom(*a, **k):
         raise RuntimeError("injected capture failure")
 
-    monkeypatch.setattr(capture_mod, "attention_metrics", boom)
-    engine.capture._warned.clear()
+    monkeypatch.setattr(compute_mod, "attention_metrics", boom)
+    engine.capture.warn_once.reset()
     caplog.set_level(logging.WARNING, logger="attn_otel")
     before = engine.capture.stats.snapshot()["dropped"].get("capture_error", 0)
     for _ in range(2):

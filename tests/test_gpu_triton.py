@@ -162,7 +162,7 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
     import numpy as np
 
     from attn_otel import triton_metrics
-    from attn_otel.capture import device_summaries
+    from attn_otel.finish import device_summaries
 
     g = torch.Generator(device="cuda").manual_seed(11)
     L, M, H = 5, 7, 8

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import attn_otel
-from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec
+from attn_otel.capture import CaptureEngine
+from attn_otel.tap import LayerSpec
+from attn_otel.tracking import FinishedRequest
 from attn_otel.config import Config
 from attn_otel.hostmem import SegmentPool, Staging, _rounded
 from attn_otel.ids import new_span_id, new_trace_id
@@ -118,8 +120,8 @@ def test_maps_go_through_one_reused_segment_and_none_is_left(tmp_path, writer):
     for i, trace in enumerate(traces):
         eng.on_finished(_req(120 - i, trace))  # nearby lengths share a segment size
         assert eng.flush(60)
-        names |= {s.name for s in eng._maps_pool._free}
-    assert eng._maps_pool.created == 1 and len(names) == 1  # one segment, reused by all three
+        names |= {s.name for s in eng.maps_pool._free}
+    assert eng.maps_pool.created == 1 and len(names) == 1  # one segment, reused by all three
     s = eng.stats.snapshot()
     assert s["stored"] == 3 and s["maps_stored"] == 3 and not s["dropped"]
     for i, trace in enumerate(traces):
@@ -143,13 +145,13 @@ def test_an_idle_engine_gives_its_maps_segments_back(tmp_path):
 
     eng = CaptureEngine(Config(store=str(tmp_path / "store"), writer="thread", writers=1), [SPEC], 256,
                         torch.float32, "cpu")
-    eng._maps_pool.idle_s = 2.0  # read by the compute thread at its next wait, after the capture below
+    eng.maps_pool.idle_s = 2.0  # read by the compute thread at its next wait, after the capture below
     eng.tap.write(0, torch.randn(200, 64), torch.randn(200, 32), torch.arange(200))
     eng.on_finished(_req(100, new_trace_id()))
     assert eng.flush(60) and eng.stats.snapshot()["maps_stored"] == 1
-    (seg,) = eng._maps_pool._free
+    (seg,) = eng.maps_pool._free
     deadline = time.monotonic() + 10
     while _exists(seg.name) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _exists(seg.name) and eng._maps_pool.free_bytes() == 0
+    assert not _exists(seg.name) and eng.maps_pool.free_bytes() == 0
     eng.close()

@@ -22,7 +22,9 @@ import torch
 from synthetic import make_record
 
 import attn_otel
-from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec, Parallel
+from attn_otel.capture import CaptureEngine
+from attn_otel.tap import LayerSpec
+from attn_otel.tracking import FinishedRequest, Parallel
 from attn_otel.config import Config
 from attn_otel.ids import new_span_id, new_trace_id
 from attn_otel.metrics import summarize

@@ -16,7 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from starlette.routing import Mount
 
-from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec, Stats
+from attn_otel.capture import CaptureEngine
+from attn_otel.stats import Stats
+from attn_otel.tap import LayerSpec
+from attn_otel.tracking import FinishedRequest
 from attn_otel.config import Config
 from attn_otel.exporters import ExportItem, build_exporters
 from attn_otel.exporters.prometheus import (

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from attn_otel.attention import attention_metrics
-from attn_otel.capture import LayerSpec
-from attn_otel.stream import MetricsStream, slots_of
+from attn_otel.tap import LayerSpec
+from attn_otel.slots import slots_of
+from attn_otel.stream import MetricsStream
 from attn_otel.vllm_adapter import _key_cache_view
 
 H, HKV, D, BS = 4, 2, 16, 4
@@ -262,11 +263,11 @@ def test_sizes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_device_summaries_equal_numpy(device, dtype):
-    """The finish-time summary computed where the rows are (attn_otel.capture.device_summaries) equals
+    """The finish-time summary computed where the rows are (attn_otel.finish.device_summaries) equals
     attn_otel.metrics.summarize + summary_to_array of the same rows, request by request: prompt-only and
     one-row requests, undefined (NaN) rows, metrics with no defined row at all.  Float16 rows (as the
     streamed layers keep them) are summarised as they are, with float32 sums and interpolation."""
-    from attn_otel.capture import device_summaries
+    from attn_otel.finish import device_summaries
     from attn_otel.metrics import summarize, summary_to_array
 
     g = torch.Generator().manual_seed(3)
@@ -302,7 +303,10 @@ def test_a_device_summarised_capture_is_stored_and_read_back(tmp_path):
     """The writer's side of a capture summarised on the device (no rows): the store keeps its summary, no
     per-row metrics, and Capture.summary() returns it."""
     import attn_otel
-    from attn_otel.capture import CaptureEngine, _Job, device_summaries
+    from attn_otel.capture import CaptureEngine
+    from attn_otel.finish import device_summaries
+    from attn_otel.handoff import Job
+    from attn_otel.plan import Plan
     from attn_otel.config import Config
     from attn_otel.ids import new_trace_id
     from attn_otel.metrics import summarize
@@ -315,12 +319,12 @@ def test_a_device_summarised_capture_is_stored_and_read_back(tmp_path):
             rows[:, 4:6] = float("nan")
             rows[:, 6, :, : N + 1] = float("nan")
             trace = new_trace_id()
-            rec, _ = eng._record(SimpleNamespace(request_id="r", vision_positions=None, prompt_token_ids=list(range(N)),
-                                                 output_token_ids=[1] * (T - N), token_ids_device=None),
-                                 LAYERS, T, False, trace, None)
+            req = SimpleNamespace(request_id="r", vision_positions=None, prompt_token_ids=list(range(N)),
+                                  output_token_ids=[1] * (T - N), token_ids_device=None)
+            rec, _ = eng.planner.record(Plan(req, LAYERS, (), T, False, trace, None, True, 1000, 0.0, True))
             summ = device_summaries(rows, [0, T], [N])[0]
             eng.handoff.reserve(1000)
-            eng.handoff.put(_Job(rec, None, None, None, 1000, 0.0, summary=summ))
+            eng.handoff.put(Job(rec, None, None, None, 1000, 0.0, summary=summ))
             assert eng.flush(60)
             assert eng.stats.snapshot()["stored"] == 1
             (cap,) = attn_otel.open_trace(trace, store=tmp_path / writer)

@@ -45,11 +45,11 @@ def main() -> None:
     (cap,) = vllm_adapter.engines()
 
     def writer_pids() -> list[int]:
-        return [p.pid for p in cap._writer_procs if p.poll() is None]
+        return [p.pid for p in cap.writers.procs if p.poll() is None]
 
     def stats() -> dict:
         snap = cap.stats.snapshot()
-        snap.update(pending_bytes=cap.handoff.pending_bytes, device_bytes=cap._device_bytes,
+        snap.update(pending_bytes=cap.handoff.pending_bytes, device_bytes=cap.device_budget.pending_bytes,
                     writer_pids=writer_pids(), pid=os.getpid(), layers=list(cap.layer_ids))
         return snap
 

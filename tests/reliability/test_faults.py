@@ -159,7 +159,9 @@ EXIT_SCRIPT = """
 import sys, time, torch
 from attn_otel import capture
 capture.EXIT_DRAIN_S = float(sys.argv[2])
-from attn_otel.capture import CaptureEngine, FinishedRequest, LayerSpec
+from attn_otel.capture import CaptureEngine
+from attn_otel.tap import LayerSpec
+from attn_otel.tracking import FinishedRequest
 from attn_otel.config import Config
 spec = LayerSpec(index=0, name="l0", num_heads=9, num_kv_heads=3, head_dim=64, scale=64 ** -0.5)
 eng = CaptureEngine(Config.from_env(store=sys.argv[1], maps_sample=1.0), [spec], 4096, torch.bfloat16, "cpu")

@@ -1,0 +1,82 @@
+"""Capture counters (read by the exporters and the API server's ``/metrics``), the stats file engine
+processes leave in ``ATTN_OTEL_STATS_DIR``, and warnings logged once per kind."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("attn_otel")
+
+
+class Stats:
+    """Capture counters, read by the exporters (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.captured = 0
+        self.stored = 0
+        self.maps_stored = 0
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.skipped: collections.Counter[str] = collections.Counter()
+        self.export_errors: collections.Counter[str] = collections.Counter()  # by exporter, store excluded
+        self.bytes_written = 0
+        # seconds, per capture: request finish -> metrics on the host, ready for the exporters
+        self.latencies: collections.deque[float] = collections.deque(maxlen=10_000)
+        # seconds, per capture: request finish -> stored
+        self.write_latencies: collections.deque[float] = collections.deque(maxlen=10_000)
+        # seconds the engine loop spent in a capture (enqueueing device work; no I/O, no sync)
+        self.loop_times: collections.deque[float] = collections.deque(maxlen=10_000)
+
+    def add(self, field: str, n: int = 1, reason: str | None = None) -> None:
+        with self._lock:
+            if reason is None:
+                setattr(self, field, getattr(self, field) + n)
+            else:
+                getattr(self, field)[reason] += n
+
+    def snapshot(self, percentiles: bool = False) -> dict[str, Any]:
+        with self._lock:
+            snap: dict[str, Any] = {"captured": self.captured, "stored": self.stored,
+                                    "maps_stored": self.maps_stored, "dropped": dict(self.dropped),
+                                    "skipped": dict(self.skipped), "export_errors": dict(self.export_errors),
+                                    "bytes_written": self.bytes_written}
+            if percentiles:
+                for name in ("latencies", "write_latencies", "loop_times"):
+                    vals = np.asarray(getattr(self, name), dtype=np.float64)
+                    snap[name] = ({q: float(np.quantile(vals, float(q[1:]) / 100)) for q in ("p50", "p90", "p99")}
+                                  | {"n": int(vals.size), "max": float(vals.max())}) if vals.size else {"n": 0}
+            return snap
+
+
+def write_stats_file(stats_dir: str, snap: dict[str, Any]) -> None:
+    """``snap`` as ``attn-otel-stats-PID.json`` in ``stats_dir``, replaced atomically (the API server's
+    ``/metrics`` reads every engine process's file)."""
+    os.makedirs(stats_dir, exist_ok=True)
+    path = os.path.join(stats_dir, f"attn-otel-stats-{os.getpid()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(snap, f)
+    os.replace(path + ".tmp", path)
+
+
+class WarnOnce:
+    """Warnings logged once per key (per engine): a failure that repeats every step must not flood the log."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def __call__(self, key: str, msg: str, *args: Any, exc: bool = False) -> None:
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        (logger.exception if exc else logger.warning)("attn-otel: " + msg, *args)
+
+    def reset(self) -> None:
+        """Log every kind again (tests)."""
+        self._seen.clear()
