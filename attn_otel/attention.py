@@ -11,8 +11,16 @@ Per-row metrics (row i is the query of token i; n_i = i + 1 keys are visible; N 
 - ``sink_mass_k``        sum_{j<k} A_ij, for rows i >= k (StreamingLLM, arXiv:2309.17453)
 - ``vision_share``       sum over visible image-embedding keys; NaN where none is visible
 - ``vision_share_norm``  vision_share / (|visible image keys| / n_i)
-- ``lookback_ratio``     generated rows i > N only (Lookback Lens, arXiv:2407.07071):
-                         ctx / (ctx + gen), ctx = mean_{j<N} A_ij, gen = mean_{N<=j<i} A_ij
+- ``lookback_ratio``     generated rows i >= N only (Lookback Lens, arXiv:2407.07071, Chuang et al. 2024):
+                         ctx / (ctx + new), ctx = sum_{j<N} A_ij / N, new = sum_{N<=j<=i} A_ij / (i - N + 1)
+
+Rows 0..N-1 are the prompt's tokens, rows N..T-1 the generated tokens y_1, y_2, .. (row N-1+k is y_k, the
+query that generates y_{k+1}; the last generated token never becomes a query row).  Lookback Lens's ratio
+at the step that generates y_t compares the mean attention on the context (the N prompt keys) with the mean
+on the new tokens so far, y_1 .. y_{t-1}: for row i (generating y_{i-N+2}) those are keys N..i, the query's
+own key included.  So it is defined from the first generated row on (row N: new = A_NN, its own key only)
+and NaN on the prompt rows (row N-1, generating y_1, has no new token).  Captures before store format 2
+left the query's own key out (new = mean_{N<=j<i} A_ij, defined from row N+1).
 """
 
 from __future__ import annotations
@@ -87,15 +95,15 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
             res[4, :, r0:r1] = torch.where(cnt > 0, share, torch.nan)
             chance = cnt / n_vis[r0:r1]
             res[5, :, r0:r1] = torch.where(cnt > 0, share / chance.clamp_min(1e-30), torch.nan)
-        if r1 > N + 1 and N > 0:
-            a = max(r0, N + 1)
+        if r1 > N and N > 0:  # Lookback Lens: generated rows i >= N; new keys N..i, the row's own included
+            a = max(r0, N)
             pa = p[:, a - r0:]
             ctx = pa[..., :N].sum(-1) / N
             i = torch.arange(a, r1, device=dev)
-            gen_cols = torch.arange(T, device=dev)
-            gmask = (gen_cols >= N).view(1, -1) & (gen_cols.view(1, -1) < i.view(-1, 1))  # [r, T]
-            gen = (pa * gmask).sum(-1) / (i - N).float()
-            tot = ctx + gen
+            new_cols = torch.arange(T, device=dev)
+            nmask = (new_cols >= N).view(1, -1) & (new_cols.view(1, -1) <= i.view(-1, 1))  # [r, T]
+            new = (pa * nmask).sum(-1) / (i - N + 1).float()
+            tot = ctx + new
             res[6, :, a:r1] = torch.where(tot > 0, ctx / tot.clamp_min(1e-30), torch.nan)
     return res
 

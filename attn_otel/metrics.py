@@ -7,8 +7,9 @@ and where each is defined are documented in :mod:`attn_otel.attention`; a captur
 Rows 0..N-1 are the prompt, rows N..T-1 the generated tokens (N = ``prompt_len``).  A summary only averages
 the rows where a metric is defined, and is NaN (``None`` in JSON) where a part has none: the generated part
 of a prompt-only request, the vision share of rows that see no image token.  ``lookback_ratio`` is defined
-on generated rows only and is summarised there only.  The vision metrics are stored only for requests with
-an image; for the others they summarise to ``None``.
+on generated rows only, from the first one on (Lookback Lens's ratio: the query's own key counts among the
+new tokens; store format 1 left it out and began a row later), and is summarised there only.  The vision
+metrics are stored only for requests with an image; for the others they summarise to ``None``.
 """
 
 from __future__ import annotations

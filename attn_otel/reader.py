@@ -57,6 +57,9 @@ class Capture:
         self.layers: list[int] = [int(x) for x in meta["layers"]]
         self.num_heads: int = int(meta["num_heads"])
         self.has_maps: bool = bool(meta.get("maps"))
+        # store format (see attn_otel.store.FORMAT_VERSION): a format-1 capture's lookback_ratio left the
+        # query's own key out (not Lookback Lens's value); its other metrics are the same
+        self.format: int = int(meta["format"])
         self._group = None
 
     def __repr__(self) -> str:

@@ -49,7 +49,12 @@ import numpy as np
 
 from .ids import check_trace_id, request_key
 
-FORMAT_VERSION = 1
+# The capture format written (the COMPLETE marker's and the group's ``format``), and those read.  2: the
+# lookback ratio is Lookback Lens's (the new tokens include the query's own, defined from the first generated
+# row on; see attn_otel.attention).  1: the same layout, but its ``lookback_ratio`` (per-row metrics and
+# summary) left the query's own key out and began a row later; still read, its lookback values as stored.
+FORMAT_VERSION = 2
+READ_FORMATS = (1, 2)
 MARKER = "COMPLETE"
 PARTS_DIR = "parts"
 ROWS_PER_CHUNK = 256
@@ -551,7 +556,7 @@ def read_summary(store, trace_id: str, key: str) -> dict[str, Any] | None:
         return None
     try:
         meta = json.loads(raw)
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        if not isinstance(meta, dict) or meta.get("format") not in READ_FORMATS:
             raise ValueError("unknown format")
         bad = [k for k, kind in _SUMMARY_FIELDS.items() if not isinstance(meta.get(k), kind)]
         if not bad and not all(isinstance(x, int) for x in meta["layers"]):

@@ -75,8 +75,8 @@ if triton is not None:
         else:
             tile_ctx = tl.sum(tl.where(cols[None, :] < N, e, 0.0), 1)
             ctx = ctx * alpha + tile_ctx
-            if MASKED:  # generated keys before the row itself
-                gen = gen * alpha + tl.sum(tl.where((cols[None, :] >= N) & (cols[None, :] < rows[:, None]), e, 0.0), 1)
+            if MASKED:  # generated keys up to the row itself, its own key included (Lookback Lens)
+                gen = gen * alpha + tl.sum(tl.where((cols[None, :] >= N) & (cols[None, :] <= rows[:, None]), e, 0.0), 1)
             else:  # every key is before every row
                 gen = gen * alpha + (tile_l - tile_ctx)
         if HAS_VISION:
@@ -204,9 +204,9 @@ if triton is not None:
             tl.store(base + 5 * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
         nf32 = N * 1.0
         ctxm = ctx / tl.maximum(nf32, 1.0)
-        genm = gen / tl.maximum(rf - nf32, 1.0)
+        genm = gen / tl.maximum(rf - nf32 + 1.0, 1.0)  # keys N..i: i - N + 1 of them
         tot = ctxm + genm
-        lb_ok = (rows > N) & (N > 0) & (tot > 0)
+        lb_ok = (rows >= N) & (N > 0) & (tot > 0)
         tl.store(base + 6 * so_m, tl.where(lb_ok, ctxm / tl.where(tot > 0, tot, 1.0), nan).to(ty), mask=row_ok)
 
 

@@ -50,9 +50,9 @@ def per_row_metrics(A: np.ndarray, prompt_len: int, sink_tokens: int = 4,
                 share = row[:, seen].sum(axis=1)
                 out["vision_share"][:, i] = share
                 out["vision_share_norm"][:, i] = share / (seen.sum() / n)
-        if N > 0 and i > N:
+        if N > 0 and i >= N:  # Lookback Lens: from the first generated row on
             ctx = row[:, :N].mean(axis=1)
-            gen = row[:, N:i].mean(axis=1)  # N <= j < i: the query's own key is neither
+            new = row[:, N:i + 1].mean(axis=1)  # N <= j <= i: the new tokens so far, the query's own included
             with np.errstate(invalid="ignore"):
-                out["lookback_ratio"][:, i] = ctx / (ctx + gen)
+                out["lookback_ratio"][:, i] = ctx / (ctx + new)
     return out

@@ -161,12 +161,65 @@ def test_vision_share_leaves_out_positions_is_embed_marks_false():
 
 # --- lookback ratio ------------------------------------------------------------------------------------
 
-def test_lookback_ratio_is_nan_up_to_the_first_generated_row_and_defined_after():
+def test_lookback_ratio_is_nan_on_the_prompt_rows_and_defined_from_the_first_generated_row():
     T, N = 130, 70
     lookback = as_numpy(attention_metrics(*qk(T), SCALES["plain"], N))["lookback_ratio"]
-    assert np.isnan(lookback[:, : N + 1]).all()
-    assert np.isfinite(lookback[:, N + 1:]).all()
-    assert ((lookback[:, N + 1:] >= 0) & (lookback[:, N + 1:] <= 1)).all()
+    assert np.isnan(lookback[:, :N]).all()
+    assert np.isfinite(lookback[:, N:]).all()
+    assert ((lookback[:, N:] >= 0) & (lookback[:, N:] <= 1)).all()
+
+
+# A hand-made causal map, one head, prompt N = 2, rows 2 and 3 generated (tokens y_1, y_2).
+HAND_N = 2
+HAND = np.array([[1.0, 0.0, 0.0, 0.0],
+                 [0.5, 0.5, 0.0, 0.0],
+                 [0.2, 0.4, 0.4, 0.0],
+                 [0.1, 0.3, 0.2, 0.4]])
+# Lookback Lens: ctx = mean over the prompt keys, new = mean over keys N..i (the query's own key included).
+# Row 2: ctx (0.2 + 0.4) / 2 = 0.3, new 0.4 -> 3/7.  Row 3: ctx 0.2, new (0.2 + 0.4) / 2 = 0.3 -> 0.4.
+# (Leaving the own key out, as store format 1 did, gave NaN on row 2 and 0.2 / (0.2 + 0.2) = 0.5 on row 3.)
+HAND_LOOKBACK = [np.nan, np.nan, 3 / 7, 0.4]
+
+
+def qk_of_map(A: np.ndarray, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 Q [T, 1, T], K [T, 1, T] whose causal softmax is ``A`` (rows summing to 1): K the identity,
+    Q's row i the log-probabilities over keys 0..i, divided by the scale."""
+    T = A.shape[0]
+    k = torch.eye(T, dtype=torch.float32)[:, None, :]
+    logq = np.where(np.tril(np.ones((T, T))) > 0, np.log(np.maximum(A, 1e-300)), 0.0) / scale
+    return torch.from_numpy(logq.astype(np.float32))[:, None, :], k
+
+
+def paper_lookback(A: np.ndarray, N: int) -> np.ndarray:
+    """Lookback Lens's ratio as its reference code takes it at each generation step: the step's last attention
+    row (the query), over the keys it sees (prompt and the new tokens so far, its own the last of them)."""
+    T = A.shape[-1]
+    out = np.full(A.shape[:-1], np.nan)
+    for i in range(N, T):
+        seen = A[..., i, : i + 1]
+        on_context = seen[..., :N].mean(-1)
+        on_new = seen[..., N:].mean(-1)
+        out[..., i] = on_context / (on_context + on_new)
+    return out
+
+
+def test_lookback_ratio_of_a_hand_made_map_is_lookback_lens_value():
+    np.testing.assert_allclose(paper_lookback(HAND, HAND_N), HAND_LOOKBACK, rtol=1e-12)
+    np.testing.assert_allclose(per_row_metrics(HAND[None], HAND_N)["lookback_ratio"][0], HAND_LOOKBACK,
+                               rtol=1e-12)
+    scale = SCALES["plain"]
+    q, k = qk_of_map(HAND, scale)
+    np.testing.assert_allclose(attention_maps(q, k, scale)[0].numpy(), HAND, atol=1e-6)
+    got = attention_metrics(q, k, scale, HAND_N)[METRICS.index("lookback_ratio"), 0].numpy()
+    np.testing.assert_allclose(got, HAND_LOOKBACK, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,N", [(5, 3), (130, 70), (130, 64), (130, 63)])
+def test_lookback_ratio_matches_lookback_lens_reference_code(T, N):
+    q, k = qk(T)
+    got = as_numpy(attention_metrics(q, k, SCALES["peaky"], N))["lookback_ratio"]
+    want = paper_lookback(attention_maps(q, k, SCALES["peaky"]).double().numpy(), N)
+    assert_same(got, want, "lookback_ratio")
 
 
 @pytest.mark.parametrize("T", [1, 5, 130])

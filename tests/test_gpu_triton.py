@@ -222,3 +222,33 @@ def test_all_layers_in_one_launch_equal_one_launch_per_layer():
     assert (~torch.isnan(want)).sum() > 10000
     assert torch.equal(got, want) or torch.allclose(got.float(), want.float(), atol=1e-3, equal_nan=True)
     assert tm.key_offsets([caches[0], caches[1].float()]) is None
+
+
+@pytest.mark.parametrize("first", [0, 127, 255])
+def test_stream_kernel_from_any_first_row_matches_torch(first):
+    """Rows from ``first`` on, against keys in a paged cache, equal the torch reference's rows.  With
+    ``first + 1`` a multiple of the key tile (128 at D = 64), the first row's own key closes an unmasked tile
+    (prompt and generated keys, or generated keys only): the lookback ratio counts it there as in the masked
+    diagonal tiles (Lookback Lens: new keys N..i, the row's own included)."""
+    from attn_otel import triton_metrics as tm
+
+    g = torch.Generator(device="cuda").manual_seed(first + 1)
+    H, Hkv, D, NB, BS, T, N = 8, 2, 64, 32, 16, 400, 100
+    q = (torch.randn(T, H, D, device="cuda", generator=g) * 1.5).bfloat16()
+    k = (torch.randn(T, Hkv, D, device="cuda", generator=g) * 1.5).bfloat16()
+    slots = torch.randperm(NB * BS, device="cuda", generator=g)[:T]
+    cache = torch.zeros(NB, BS, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    cache.view(NB * BS, Hkv, D)[slots] = k
+    n = T - first
+    rows = torch.arange(first, T, device="cuda")  # the query ring is q itself: position i at ring row i
+    one = lambda x: torch.tensor([x], dtype=torch.int32, device="cuda")
+    cu = lambda x: torch.tensor([0, x], dtype=torch.int32, device="cuda")
+    out = torch.full((NB * BS, 7, H), float("nan"), device="cuda")
+    tm.row_metrics_stream(q, rows, cu(n), one(first), cache, slots, cu(T), one(N), n, D ** -0.5, 4, None, None,
+                          out)
+    got = out[slots[first:]].permute(1, 2, 0)  # [7, H, n]
+    ref = attention_metrics(q, k, D ** -0.5, N, 4, None, start=first)[:, :, first:]
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    assert not torch.isnan(ref[6]).all()
+    ok = ~torch.isnan(ref)
+    assert (got[ok] - ref[ok]).abs().max().item() < 2e-4

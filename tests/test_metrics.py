@@ -63,9 +63,10 @@ def test_a_head_without_defined_rows_is_nan_without_warnings():
 
 
 def test_lookback_ratio_is_summarised_over_generated_rows_only():
-    s = summarize({"entropy": ENTROPY, "lookback_ratio": np.array([[[NAN, NAN, NAN, 0.25]] * 2])}, prompt_len=2)
+    # defined from the first generated row on (row 2 = prompt_len): Lookback Lens counts the row's own key
+    s = summarize({"entropy": ENTROPY, "lookback_ratio": np.array([[[NAN, NAN, 0.5, 0.25]] * 2])}, prompt_len=2)
     assert "lookback_ratio" not in s["prompt"]
-    np.testing.assert_array_equal(s["generated"]["lookback_ratio"]["mean"], [[0.25, 0.25]])
+    np.testing.assert_array_equal(s["generated"]["lookback_ratio"]["mean"], [[0.375, 0.375]])
 
 
 def test_vision_metrics_of_a_text_only_capture_are_none():

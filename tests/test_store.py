@@ -15,7 +15,7 @@ from zarr.storage import WrapperStore
 
 from attn_otel.ids import InvalidTraceId, new_trace_id
 from attn_otel.reader import TraceNotFound, list_captures, open_trace
-from attn_otel.store import (MARKER, ROWS_PER_CHUNK, StoreError, capture_prefix, list_trace_ids,
+from attn_otel.store import (FORMAT_VERSION, MARKER, ROWS_PER_CHUNK, StoreError, capture_prefix, list_trace_ids,
                              open_zarr_store)
 
 FP16_ATOL = 5e-4  # weights are in [0, 1]: float16 keeps 11 significant bits
@@ -111,6 +111,22 @@ class StoreContract:
         write(backend.url, record)
         backend.put(_marker(record), json.dumps({"format": 1, "trace_id": record.trace_id}).encode())
         with pytest.raises(StoreError, match="request_id"):
+            open_trace(record.trace_id, backend.url)
+
+    def test_format_1_captures_stay_readable_and_say_so(self, backend):
+        """Format 2 changed the lookback ratio's definition only (Lookback Lens's: the query's own key among
+        the new tokens, from the first generated row on): a format-1 capture is read as stored, and says its
+        format; a format this reader does not know is refused."""
+        record, _ = make_record()
+        write(backend.url, record)
+        (cap,) = open_trace(record.trace_id, backend.url)
+        assert cap.format == FORMAT_VERSION == 2
+        backend.put(_marker(record), json.dumps({**cap.meta, "format": 1}).encode())
+        (old,) = open_trace(record.trace_id, backend.url)
+        assert old.format == 1
+        np.testing.assert_array_equal(old.metrics["lookback_ratio"], record.metrics["lookback_ratio"])
+        backend.put(_marker(record), json.dumps({**cap.meta, "format": 3}).encode())
+        with pytest.raises(StoreError, match="unknown format"):
             open_trace(record.trace_id, backend.url)
 
     def test_metrics_only_capture_has_no_attn(self, backend):
