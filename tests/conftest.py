@@ -6,6 +6,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Every vLLM engine of the suite (in-process and the subprocesses, which inherit this) compiles the model with
+# inductor.  vLLM 0.32's default AOT compile cache never loads on the CPU build with torch 2.13 ("'function'
+# object has no attribute 'finalize_loading'", then "Compiling model again"), so each of the suite's ten or so
+# engine starts compiled from scratch (~60-90 s each on 2 cores).  Its older cache path works: a second start of
+# the same engine took 49 s instead of 124 s.  Same compiler, same graph; only where the result is cached.
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
@@ -113,6 +120,25 @@ def s3_backend(moto_s3, s3_env):
     from s3 import S3Backend
 
     return S3Backend(moto_s3, moto_s3.new_bucket(), env=s3_env)
+
+
+@pytest.fixture(scope="session")
+def otel_server(smollm2_path, tmp_path_factory, otlp_receiver):
+    """vLLM's OpenAI server (CPU build) with capture on (metrics unless a request asks for maps:
+    ``ATTN_OTEL_MAPS_SAMPLE=0``), its attn_capture spans to the session's OTLP receiver through the standard
+    ``OTEL_*`` variables (OTLP/HTTP).  Yields ``(port, store)``.  Shared by tests/test_engine_server.py and
+    the ``otel-env`` variant of tests/test_otel_server.py: one server start instead of two."""
+    import vllm_server
+
+    store = tmp_path_factory.mktemp("otel-server-store")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "1", "OTEL_BSP_SCHEDULE_DELAY": "200",
+                "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.http_endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    with vllm_server.running(smollm2_path, env, tmp_path_factory.mktemp("otel-server-log") / "server.log") as port:
+        yield port, store
 
 
 # --------------------------------------------------------------------- a live vLLM server + a real Prometheus

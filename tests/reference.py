@@ -1,30 +1,64 @@
-"""Hugging Face transformers' eager attention in float32: the reference the stored maps must match."""
+"""Hugging Face transformers' eager attention: float32, the reference the stored maps must match, and bfloat16,
+the yardstick for how close "match" can be.
+
+vLLM runs the models of these tests in bfloat16; HF's float32 forward is the reference.  How far a bf16 forward
+lands from the fp32 one depends on the tokens (and, inside vLLM, on batch composition and chunking), so a
+hard-coded bound is either loose or flaky.  Every comparison with HF fp32 is therefore calibrated: on the same
+tokens, HF's own bf16 eager is measured against its fp32 (the *drift*), with the same statistic over the same
+rows as the capture, and the capture must be within ``FACTOR`` times that drift plus a small floor
+(:class:`Calibrated`).  Structural properties (shapes, causality, rows summing to 1, NaN patterns) stay exact.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
+from collections import defaultdict
 
 import numpy as np
 
+# capture error <= FACTOR * drift + floor, statistic by statistic.  Measured on SmolLM2 through vLLM's CPU build
+# (bf16), the capture lands at 0.37-0.94 times HF bf16's own drift on the same rows: per-row TV 0.66-0.73
+# (median, p99) and up to 0.94 (max, one request of sixteen) in tests/test_engine_exact.py; |metric diff|
+# 0.57-0.74 (p50) and 0.36-0.70 (p99) in tests/test_engine_stream.py.  3x leaves more than 3x room for batch
+# composition, chunking and timing, while a real error (a stale key, a row of another request, a mask off by
+# one) puts rows at TV 0.3-1, far above 3x the drift's max (about 0.07-0.08 here).
+FACTOR = 3.0
+# Floors: what storage alone can add where the drift is near zero (early rows, sharp heads).  Maps are stored
+# as float16 (relative 2^-11 per value: under 3e-4 of TV per row); per-row metrics as float16 too (entropy up to
+# ln 2048 = 7.6 nats has a spacing of 2^-8 = 0.004 there; the others are in [0, 1], spacing <= 5e-4).
+TV_FLOOR = 0.002
+METRIC_FLOOR = {"entropy": 0.004}
+METRIC_FLOOR_DEFAULT = 0.002
+MAP_STATS = ("median", "p99", "max")
+METRIC_STATS = ("p50", "p99")
 
-@functools.lru_cache(maxsize=2)
-def hf_model(path: str, device: str = "cpu"):
+
+@functools.lru_cache(maxsize=4)
+def hf_model(path: str, device: str = "cpu", dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager")
     model.eval()
     return model.to(device)
 
 
-def hf_attention(path: str, token_ids, device: str = "cpu") -> np.ndarray:
-    """float32 [layers, heads, T, T] from an fp32 eager forward over ``token_ids``."""
+def hf_attention(path: str, token_ids, device: str = "cpu", dtype: str = "float32") -> np.ndarray:
+    """float32 [layers, heads, T, T] from an eager forward in ``dtype`` over ``token_ids``."""
     import torch
 
-    model = hf_model(path, device)
+    model = hf_model(path, device, dtype)
+    body = getattr(model, "model", model)  # the decoder alone: the LM head's logits are not needed here
     with torch.no_grad():
-        out = model(torch.tensor([list(token_ids)], device=device), output_attentions=True)
+        out = body(torch.tensor([list(token_ids)], device=device), output_attentions=True)
     return np.stack([a[0].float().cpu().numpy() for a in out.attentions])
+
+
+def hf_references(path: str, token_ids, device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """``(fp32, bf16)``: HF eager attention [layers, heads, T, T] of the same weights on the same tokens, the
+    reference and the bf16 forward whose distance from it is the drift."""
+    return hf_attention(path, token_ids, device, "float32"), hf_attention(path, token_ids, device, "bfloat16")
 
 
 def greedy_agreement(path: str, outs, device: str = "cpu", rel_margin: float = 0.1) -> tuple[int, int, int]:
@@ -54,19 +88,89 @@ def row_tv(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return 0.5 * np.abs(a.astype(np.float64) - b.astype(np.float64)).sum(-1)
 
 
+def _stat(x: np.ndarray, stat: str) -> float:
+    if stat == "max":
+        return float(x.max())
+    q = {"median": 0.5, "p50": 0.5, "p99": 0.99}[stat]
+    return float(np.quantile(x, q))
+
+
 def tv_stats(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
     tv = row_tv(a, b).ravel()
-    return {"median": float(np.median(tv)), "p99": float(np.quantile(tv, 0.99)), "max": float(tv.max()),
-            "rows": int(tv.size)}
+    return {**{s: _stat(tv, s) for s in MAP_STATS}, "rows": int(tv.size)}
 
 
-# Issue 2's bounds; transformers' own bf16 vs fp32 eager gives about 0.008 / 0.027 / 0.18 on SmolLM2.
-MEDIAN, P99, MAX = 0.02, 0.05, 0.35
+class Calibrated:
+    """Errors against HF eager fp32, each next to HF bf16's on the same rows, pooled under a key.
+
+    ``add(key, err, drift, stats, floor)`` appends per-row absolute errors of the capture (``err``) and of HF
+    bf16 (``drift``), both against fp32, over the same rows; :meth:`add_maps` and :meth:`add_metrics` do it
+    for per-row TV and for the per-row metrics of tests/numpy_metrics.py.  :meth:`check` asserts, for every
+    key and statistic, ``capture <= FACTOR * drift + floor`` and names every figure in the message;
+    :meth:`report` gives them as a dict (the tests print it)."""
+
+    def __init__(self, factor: float = FACTOR):
+        self.factor = factor
+        self.err: dict[str, list[np.ndarray]] = defaultdict(list)
+        self.drift: dict[str, list[np.ndarray]] = defaultdict(list)
+        self.spec: dict[str, tuple[tuple[str, ...], float]] = {}
+
+    def add(self, key: str, err, drift, stats=METRIC_STATS, floor: float = METRIC_FLOOR_DEFAULT) -> None:
+        err, drift = np.asarray(err, np.float64).ravel(), np.asarray(drift, np.float64).ravel()
+        assert err.shape == drift.shape, (key, err.shape, drift.shape)  # the same rows for both
+        if err.size:
+            self.err[key].append(err)
+            self.drift[key].append(drift)
+            self.spec[key] = (tuple(stats), float(floor))
+
+    def add_maps(self, key: str, got: np.ndarray, fp32: np.ndarray, bf16: np.ndarray) -> None:
+        """Per-row TV of the captured maps and of HF bf16's, both against HF fp32 (``[..., T, T]`` each)."""
+        self.add(key, row_tv(got, fp32), row_tv(bf16, fp32), MAP_STATS, TV_FLOOR)
+
+    def add_metrics(self, prefix: str, got: dict, fp32_layer: np.ndarray, bf16_layer: np.ndarray,
+                    prompt_len: int, sink_tokens: int = 4) -> None:
+        """One layer's stored per-row metrics (``{name: [H, T]}``) against NumPy's on HF fp32's maps of that
+        layer ([H, T, T]), next to NumPy's on HF bf16's; keys ``f"{prefix}{name}"``.  NaN where undefined must
+        match exactly."""
+        from numpy_metrics import per_row_metrics
+
+        ref = per_row_metrics(fp32_layer, prompt_len, sink_tokens)
+        alt = per_row_metrics(bf16_layer, prompt_len, sink_tokens)
+        for name, r in ref.items():
+            g = np.asarray(got[name], dtype=np.float64)
+            assert g.shape == r.shape, (prefix, name, g.shape, r.shape)
+            assert np.array_equal(np.isnan(g), np.isnan(r)), (prefix, name, "NaN where HF has a value or not")
+            ok = ~np.isnan(r)
+            self.add(prefix + name, np.abs(g[ok] - r[ok]), np.abs(alt[name][ok] - r[ok]), METRIC_STATS,
+                     METRIC_FLOOR.get(name, METRIC_FLOOR_DEFAULT))
+
+    def report(self) -> dict[str, dict]:
+        out = {}
+        for key in sorted(self.err):
+            err, drift = np.concatenate(self.err[key]), np.concatenate(self.drift[key])
+            stats, floor = self.spec[key]
+            out[key] = {"rows": int(err.size)}
+            for s in stats:
+                e, d = _stat(err, s), _stat(drift, s)
+                out[key][s] = {"capture": round(e, 5), "drift": round(d, 5), "bound": round(self.factor * d + floor, 5),
+                               "ratio": round(e / d, 2) if d > 0 else None}
+        return out
+
+    def check(self, label: str = "") -> dict[str, dict]:
+        rep = self.report()
+        assert rep, f"{label}: nothing compared"
+        bad = {f"{k} {s}": v[s] for k, v in rep.items() for s in self.spec[k][0] if v[s]["capture"] > v[s]["bound"]}
+        assert not bad, (f"{label}: capture further from HF eager fp32 than {self.factor} x HF bf16's own drift "
+                         f"+ floor (TV {TV_FLOOR}, metrics {METRIC_FLOOR_DEFAULT}, entropy {METRIC_FLOOR['entropy']}):\n"
+                         + json.dumps(bad, indent=1))
+        return rep
 
 
 def check_exact(store, model_path: str, out, trace_id: str, num_layers: int, num_heads: int,
-                device: str = "cpu") -> dict[str, float]:
-    """Assert the stored capture of one vLLM ``RequestOutput`` is HF eager fp32's attention."""
+                device: str = "cpu") -> dict[str, dict]:
+    """Assert the stored capture of one vLLM ``RequestOutput`` is HF eager fp32's attention: structure exactly,
+    values within :data:`FACTOR` x HF bf16's own per-row TV drift (median, p99, max over every row) + floor.
+    Returns the figures (``{"tv": {stat: {capture, drift, bound, ratio}}}``)."""
     import attn_otel
 
     (cap,) = attn_otel.open_trace(trace_id, store=store)
@@ -79,7 +183,7 @@ def check_exact(store, model_path: str, out, trace_id: str, num_layers: int, num
     assert got.shape == (num_layers, num_heads, T, T)
     assert np.abs(got.sum(-1) - 1).max() <= 1e-3  # every stored row sums to 1
     assert np.abs(np.triu(got, 1)).max() == 0.0  # causal: nothing above the diagonal
-    ref = hf_attention(model_path, ids[:T], device)
-    stats = tv_stats(got, ref)
-    assert stats["median"] <= MEDIAN and stats["p99"] <= P99 and stats["max"] <= MAX, stats
-    return stats
+    fp32, bf16 = hf_references(model_path, ids[:T], device)
+    cal = Calibrated()
+    cal.add_maps("tv", got, fp32, bf16)
+    return cal.check(f"trace {trace_id} ({T} tokens)")

@@ -1,4 +1,5 @@
-"""Stored maps are the model's own attention: real vLLM (CPU build) against HF eager float32.
+"""Stored maps are the model's own attention: real vLLM (CPU build, bf16) against HF eager float32, within a
+stated factor of HF's own bf16 eager drift on the same tokens (tests/reference.py, ``Calibrated``).
 
 One engine, vLLM's default serving features on: prefix caching (with a hit), chunked prefill
 (max_num_batched_tokens=256 below the prompt lengths), 16 concurrent requests, GQA (9 q / 3 kv heads).
@@ -36,13 +37,13 @@ def long_and_prefix_hit(engine):
 def test_chunked_prefill_maps_match_hf_eager(engine, long_and_prefix_hit):
     (out, trace_id), _ = long_and_prefix_hit
     assert len(out.prompt_token_ids) > 2 * 256  # three prefill chunks at max_num_batched_tokens=256
-    _check_exact(engine, out, trace_id)
+    print("per-row TV:", _check_exact(engine, out, trace_id))
 
 
 def test_prefix_cache_hit_maps_match_hf_eager(engine, long_and_prefix_hit):
     _, (out, trace_id) = long_and_prefix_hit
     assert out.num_cached_tokens >= 200  # the hit is real: these rows' Q came from the first request
-    _check_exact(engine, out, trace_id)
+    print("per-row TV:", _check_exact(engine, out, trace_id))
 
 
 def test_sixteen_concurrent_requests_of_different_lengths(engine):
@@ -52,8 +53,10 @@ def test_sixteen_concurrent_requests_of_different_lengths(engine):
     outs = engine.generate(prompts, params)
     lengths = {len(o.prompt_token_ids) for o in outs}
     assert len(lengths) == 16
-    worst = {"median": 0.0, "p99": 0.0, "max": 0.0}
+    worst = {}
     for out, trace_id in zip(outs, traces):
-        s = _check_exact(engine, out, trace_id)
-        worst = {k: max(worst[k], s[k]) for k in worst}
-    print("worst per-row TV over 16 requests:", worst)
+        s = _check_exact(engine, out, trace_id)["tv"]
+        for k in ("median", "p99", "max"):
+            if worst.get(k) is None or s[k]["ratio"] > worst[k]["ratio"]:
+                worst[k] = s[k]
+    print("per-row TV, the request with the highest capture/drift ratio per statistic:", worst)

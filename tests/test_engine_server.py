@@ -1,12 +1,10 @@
 """Online: vLLM's OpenAI server (CPU build) with ATTN_OTEL=1, per-request options through ``vllm_xargs``."""
 
 import json
-import os
 import time
 import urllib.request
 
 import pytest
-import vllm_server
 
 import attn_otel
 from attn_otel.ids import new_span_id, new_trace_id
@@ -23,13 +21,11 @@ def _post(port, body, headers=None, with_headers=False):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory):
-    store = tmp_path_factory.mktemp("server-store")
-    env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    with vllm_server.running(smollm2_path, env, tmp_path_factory.mktemp("server-log") / "server.log") as port:
-        yield port, store, smollm2_path
+def server(otel_server, smollm2_path):
+    """The session's server of tests/conftest.py (``ATTN_OTEL_MAPS_SAMPLE=0``; it also exports spans, which
+    tests/test_otel_server.py looks at)."""
+    port, store = otel_server
+    return port, store, smollm2_path
 
 
 def _wait_for(trace_id, store, timeout=60):

@@ -88,10 +88,12 @@ def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
     (engine,) = vllm_adapter.engines()
     results["attention_impl"] = engine.attrs["attention_impl"]
     results["prefix_cached_tokens"] = outs2[0].num_cached_tokens
-    worst = {"median": 0.0, "p99": 0.0, "max": 0.0}
+    worst = {}  # per statistic, the request with the highest capture/drift ratio
     for out, t in zip(outs1 + outs2 + outs3, tr1 + tr2 + tr3):
-        s = check_exact(store, gpu_model, out, t, LAYERS, HEADS, device="cuda")
-        worst = {k: max(worst[k], s[k]) for k in worst}
+        s = check_exact(store, gpu_model, out, t, LAYERS, HEADS, device="cuda")["tv"]
+        for k in ("median", "p99", "max"):
+            if worst.get(k) is None or (s[k]["ratio"] or 0) > (worst[k]["ratio"] or 0):
+                worst[k] = s[k]
     results["worst_tv"] = worst
     # The layers' keys and values reach vLLM's cache in the launch that keeps the queries
     # (ATTN_OTEL_KV_WRITE=fused): the model still computes what HF computes.
@@ -112,9 +114,8 @@ def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
 def test_gpu_metrics_only_from_the_tap_match_hf_eager(gpu_engine, gpu_model):
     """Metrics-only captures take the batched path (one kernel per layer, straight from the tap, on the
     engine's stream): every request of a concurrent batch is captured and its per-row metrics equal
-    NumPy's on HF eager fp32 attention."""
-    from numpy_metrics import per_row_metrics
-    from reference import hf_attention
+    NumPy's on HF eager fp32 attention, within FACTOR x HF bf16's own drift on the same rows (+ a floor)."""
+    from reference import Calibrated, hf_references
     from vllm import SamplingParams
 
     import attn_otel
@@ -135,27 +136,18 @@ def test_gpu_metrics_only_from_the_tap_match_hf_eager(gpu_engine, gpu_model):
     after = engine.stats.snapshot()
     assert after["captured"] - before["captured"] == len(prompts)
     assert after["dropped"] == before["dropped"]
-    worst = {}
+    cal = Calibrated()
     for out, t in zip(outs, traces):
         (cap,) = attn_otel.open_trace(t, store)
         assert not cap.has_maps
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         T = cap.num_tokens
-        A = hf_attention(gpu_model, ids[:T], device="cuda")
-        got = cap.metrics
+        fp32, bf16 = hf_references(gpu_model, ids[:T], device="cuda")
         for li in range(LAYERS):
-            ref = per_row_metrics(A[li], cap.prompt_len, 4)
-            for name, r in ref.items():
-                g = np.asarray(got[name][li], dtype=np.float64)
-                assert np.array_equal(np.isnan(g), np.isnan(r)), (name, li)
-                ok = ~np.isnan(r)
-                if ok.any():
-                    d = np.abs(g[ok] - r[ok])
-                    worst[name] = max(worst.get(name, 0.0), float(np.quantile(d, 0.5)))
-                    tol = 0.1 if name == "entropy" else 0.05
-                    assert np.quantile(d, 0.99) < tol, (name, li, float(np.quantile(d, 0.99)))
-    print("GPU metrics-only path, worst median |diff| per metric:", json.dumps(worst))
-    assert all(v < 0.02 for v in worst.values()), worst
+            cal.add_metrics("", {name: rows[li] for name, rows in cap.metrics.items()}, fp32[li], bf16[li],
+                            cap.prompt_len)
+    print("GPU metrics-only path against HF eager fp32:", json.dumps(cal.report()))
+    cal.check("GPU metrics-only path")
 
 
 def test_gpu_kv_write_falls_back_to_vllms_own(gpu_engine, gpu_model, monkeypatch):

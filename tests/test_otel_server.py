@@ -31,17 +31,17 @@ def _post(port, body, headers=None):
 
 @pytest.fixture(scope="module", params=["otel-env", "vllm-flag"])
 def server(request, smollm2_path, tmp_path_factory, otlp_receiver):
+    if request.param == "otel-env":  # the session's server (tests/conftest.py), shared with test_engine_server.py
+        port, store = request.getfixturevalue("otel_server")
+        yield request.param, port, store, smollm2_path
+        return
     store = tmp_path_factory.mktemp("otel-server-store")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0",
                 "VLLM_CPU_KVCACHE_SPACE": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"})
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    args = []
-    if request.param == "otel-env":
-        env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.http_endpoint,
-                    "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
-    else:  # no OTEL_* variable: vLLM exports its flag as OTEL_EXPORTER_OTLP_TRACES_ENDPOINT to its engine
-        args = ["--otlp-traces-endpoint", otlp_receiver.grpc_endpoint]
+    # no OTEL_* variable: vLLM exports its flag as OTEL_EXPORTER_OTLP_TRACES_ENDPOINT to its engine
+    args = ["--otlp-traces-endpoint", otlp_receiver.grpc_endpoint]
     with vllm_server.running(smollm2_path, env, tmp_path_factory.mktemp("otel-server-log") / "server.log",
                              args) as port:
         yield request.param, port, store, smollm2_path

@@ -42,7 +42,7 @@ def running(model: str, env: Mapping[str, str], log_path: Path, args: Sequence[s
                     assert proc.poll() is None, Path(log_path).read_text()[-3000:]
                     if time.monotonic() > deadline:
                         pytest.fail(f"vLLM server did not come up in {timeout:.0f} s")
-                    time.sleep(2)
+                    time.sleep(0.5)
             yield port
         finally:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -156,13 +156,15 @@ def disk_engine(smollm2_path, tmp_path_factory):
                        "ATTN_OTEL_MAX_MAP_TOKENS": str(MAX_MAP_TOKENS),
                        "ATTN_OTEL_QUEUE_BYTES": str(DISK_QUEUE_BYTES),
                        "ATTN_OTEL_DEVICE_QUEUE_BYTES": str(DISK_DEVICE_QUEUE_BYTES)})
-    driver = Driver(smollm2_path, env, {"max_num_seqs": 256}, work)
-    driver.store = store
-    driver.mount = mount if mounted else None
-    yield driver
-    driver.stop()
-    if mounted:
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    try:  # the tmpfs is unmounted also when the engine does not start (it stayed mounted under /tmp before)
+        driver = Driver(smollm2_path, env, {"max_num_seqs": 256}, work)
+        driver.store = store
+        driver.mount = mount if mounted else None
+        yield driver
+        driver.stop()
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 # ------------------------------------------------------------------------------------------ helpers
