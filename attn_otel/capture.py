@@ -52,6 +52,7 @@ class CaptureEngine:
         self.layer_ids = tuple(s.index for s in self.layers)
         self.device = torch.device(device)
         self.parallel = parallel  # this rank's place under tensor/pipeline parallelism (None: one GPU)
+        self.attrs = dict(attrs or {})  # attributes every capture carries (e.g. the attention backend)
         # Streamed layers (attn_otel.stream) have no Q/K tap: their rows are computed while requests run.
         self.stream = stream
         self.streamed = frozenset(stream.pos) if stream is not None else frozenset()
@@ -75,7 +76,7 @@ class CaptureEngine:
         self.device_budget = ByteBudget(config.device_queue_bytes, first_always=True)
         self.planner = Planner(config, self.layers, self.map_layers, self.handoff, self.stats, self.warn_once,
                                stream, parallel, summarised_on_device=self._fused, model=model,
-                               engine_version=engine_version, attrs=attrs)
+                               engine_version=engine_version, attrs=self.attrs)
         self.batched = BatchedMetrics(config, self.layers, self.tap, stream, self.planner, self.handoff,
                                       self.device_budget, self.stats, self.warn_once, self.device)
         self.compute = ComputeThread(config, self.tap, stream, self.planner, self.handoff, self.device_budget,

@@ -182,7 +182,9 @@ class WriterPool:
         if self.config.stats_dir:
             env["ATTN_OTEL_STATS_DIR"] = self.config.stats_dir  # an explicit Config wins
         config = json.dumps(dataclasses.asdict(self.config))  # the writer uses this very Config
-        proc = subprocess.Popen([sys.executable, "-m", "attn_otel.writer_proc", self.config.store, config],
+        # -P: attn-otel as installed, never a folder of that name in the current directory (a source checkout's
+        # attn_otel/ lacks the exporters subpackage, which lives in its top-level exporters/).
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "attn_otel.writer_proc", self.config.store, config],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         self.procs.append(proc)
         # The per-capture timeout counts from its "ready": a start slowed by a loaded machine is not a hang.

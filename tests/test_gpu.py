@@ -1,6 +1,6 @@
 """The exactness test on an NVIDIA GPU with the CUDA vLLM in its default serving config.
 
-Run on the lent GPU machine (see the README, "GPU"): ``python3 -m pytest -m gpu tests/test_gpu.py``.
+Run on the lent GPU machine (see docs/exactness.md): ``python3 -P -m pytest -m gpu tests/test_gpu.py``.
 A small random-weight Llama (GQA: 8 query / 2 KV heads, head_dim 64) is built there with transformers;
 its q/k projections are scaled up so the attention is far from uniform and the comparison means
 something.  vLLM keeps its defaults: FLASH_ATTN on Hopper, FULL_AND_PIECEWISE CUDA graphs, chunked

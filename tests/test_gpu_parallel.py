@@ -1,7 +1,7 @@
 """Tensor and pipeline parallel vLLM on two NVIDIA GPUs: each rank captures its heads/layers into one capture.
 
 Run on the lent 2-GPU machine (``nvidia-h200-x2``, see the README, "GPU"):
-``python3 -m pytest -m gpu tests/test_gpu_parallel.py -s``.  A small random-weight Llama (8 query / 2 KV
+``python3 -P -m pytest -m gpu tests/test_gpu_parallel.py -s``.  A small random-weight Llama (8 query / 2 KV
 heads, 4 layers) is built there with transformers and served three times with vLLM's defaults (CUDA
 graphs, chunked prefill, prefix caching), each engine in a process of its own: ``tensor_parallel_size=2``,
 ``pipeline_parallel_size=2`` and, as the reference, one GPU.  The same prompts (one longer than the

@@ -6,7 +6,7 @@ for 16 concurrent requests), every layer's metrics equal NumPy's on HF eager fp3
 HF bf16's own drift on the same values + a floor (tests/reference.py): per row (ATTN_OTEL_GPU_ROWS=all, rows
 stored for every capture) or, by default, as the summary computed on the device at finish (the production path: ATTN_OTEL_ROW_METRICS=maps stores no rows for metrics captures).
 
-Run on the lent GPU machine: ``python3 -m pytest -m gpu tests/test_gpu_stream.py -s`` (one engine per
+Run on the lent GPU machine: ``python3 -P -m pytest -m gpu tests/test_gpu_stream.py -s`` (one engine per
 process: run it in a pytest process of its own).
 """
 
