@@ -27,7 +27,7 @@ from . import triton_metrics
 from .compute import ComputeThread
 from .config import Config
 from .finish import BatchedMetrics
-from .handoff import EXIT_DRAIN_S, ByteBudget, Handoff, at_exit
+from .handoff import ByteBudget, Handoff, at_exit
 from .hostmem import SegmentPool
 from .plan import Planner
 from .stats import Stats, WarnOnce, write_stats_file
@@ -227,7 +227,7 @@ class CaptureEngine:
     def close(self) -> None:
         """Drain what is pending, then let the exporters flush and stop: all of it within EXIT_DRAIN_S, one
         deadline for every step (a writer stuck on a store that does not answer is killed at it)."""
-        deadline = self.handoff.begin_closing(EXIT_DRAIN_S)
+        deadline = self.handoff.begin_closing()
         self.flush(max(0.0, deadline - time.monotonic()))
         self._stop_dumper.set()
         self.writers.close(deadline)

@@ -142,17 +142,17 @@ class Handoff:
                 self.release(job.nbytes)
                 self._maps_pool.release(job.maps_seg)
 
-    def begin_closing(self, seconds: float) -> float:
-        """From now on, exit is near: jobs still queued ``seconds`` from the first call are dropped
-        (``shutdown``), and a writer process that dies is not restarted.  Returns that deadline, shared by
-        every step of the exit."""
+    def begin_closing(self, seconds: float | None = None) -> float:
+        """From now on, exit is near: jobs still queued ``seconds`` (default EXIT_DRAIN_S) from the first call
+        are dropped (``shutdown``), and a writer process that dies is not restarted.  Returns that deadline,
+        shared by every step of the exit."""
         if not self._closing:
-            self._closing = time.monotonic() + seconds
+            self._closing = time.monotonic() + (EXIT_DRAIN_S if seconds is None else seconds)
             self._writers.closing = True
         return self._closing
 
     def _drain_at_exit(self) -> None:
-        deadline = self.begin_closing(EXIT_DRAIN_S)
+        deadline = self.begin_closing()
         self.flush(max(0.0, deadline - time.monotonic()) + 0.1)
 
     def flush(self, timeout: float | None = None) -> bool:

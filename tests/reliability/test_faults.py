@@ -17,7 +17,18 @@ pytestmark = pytest.mark.engine
 
 BATCH = 24
 TOKENS = 32
-MIN_THROUGHPUT_RATIO = 0.7  # generous: the machine is shared; the figures are printed
+# "Serving never waits for the store", asserted by its cost rather than by a throughput ratio (a ratio of two
+# timings on a shared 2-core machine failed at 0.58 with nothing waiting): the fault-phase batch may take up to
+# SLACK x the batch with the store up, plus SLACK_S.  Waiting would cost far more: each of the BATCH requests
+# has a capture, and one wait per capture is at least S3_TIMEOUT_S x 3 attempts (hang), 0.5 s per chunk (slow)
+# or an ENOSPC round trip per array (disk), i.e. 12 to 144 s on top of a batch of 1-3 s.
+SLACK, SLACK_S = 3.0, 5.0
+
+
+def _never_waited(up: dict, down: dict) -> None:
+    bound = SLACK * up["elapsed_s"] + SLACK_S
+    assert down["elapsed_s"] <= bound, (f"the batch took {down['elapsed_s']:.1f} s during the fault against "
+                                        f"{up['elapsed_s']:.1f} s with the store up (bound {bound:.1f} s)")
 
 
 def _serve(engine: Driver, n: int, seed: int = 0) -> tuple[list[str], float, dict]:
@@ -53,7 +64,7 @@ def test_s3_fault_keeps_serving_counts_drops_and_capture_resumes(s3_engine, s3_e
     proxy.mode, proxy.delay_s = "up", 0.0
     _serve(s3_engine, 4, seed=99)  # warm (first-call costs, S3 connections) and a baseline with the store up
     assert s3_engine.call("flush", timeout=120)["done"]
-    _, up_tps, _ = _serve(s3_engine, BATCH, seed=1)
+    _, up_tps, up = _serve(s3_engine, BATCH, seed=1)
     assert s3_engine.call("flush", timeout=120)["done"]
 
     before = s3_engine.stats()
@@ -63,7 +74,7 @@ def test_s3_fault_keeps_serving_counts_drops_and_capture_resumes(s3_engine, s3_e
     else:
         proxy.mode = fault
     try:
-        down_traces, down_tps, _ = _serve(s3_engine, BATCH, seed=1)
+        down_traces, down_tps, down = _serve(s3_engine, BATCH, seed=1)
         served = s3_engine.stats()
         # Nothing waits for the store: the requests were served and the engine's bytes stay in its bound.
         assert served["pending_bytes"] <= S3_QUEUE_BYTES
@@ -104,7 +115,7 @@ def test_s3_fault_keeps_serving_counts_drops_and_capture_resumes(s3_engine, s3_e
           f"(x{ratio:.2f}); served-phase counters {d_served}; first store_error after {first_error_s:.1f} s; "
           f"drained {drained_s:.1f} s after the endpoint came back; whole run {d_all}; "
           f"fault phase {time.monotonic() - t_fault:.0f} s")
-    assert ratio >= MIN_THROUGHPUT_RATIO, (up_tps, down_tps)
+    _never_waited(up, down)
 
 
 def _fill(path, chunk: int = 1 << 20) -> int:
@@ -128,12 +139,12 @@ def test_full_local_disk_keeps_serving_counts_drops_and_capture_resumes(disk_eng
 
     _serve(disk_engine, 4, seed=99)
     assert disk_engine.call("flush", timeout=120)["done"]
-    _, up_tps, _ = _serve(disk_engine, BATCH, seed=1)
+    _, up_tps, up = _serve(disk_engine, BATCH, seed=1)
     assert disk_engine.call("flush", timeout=120)["done"]
     before = disk_engine.stats()
     ballast = _fill(disk_engine.mount)
     try:
-        down_traces, down_tps, _ = _serve(disk_engine, BATCH, seed=1)
+        down_traces, down_tps, down = _serve(disk_engine, BATCH, seed=1)
         assert disk_engine.call("flush", timeout=120)["done"]  # ENOSPC fails fast: nothing is held
         full = disk_engine.stats()
         d_full = delta(full, before)
@@ -152,13 +163,13 @@ def test_full_local_disk_keeps_serving_counts_drops_and_capture_resumes(disk_eng
     ratio = down_tps / up_tps
     print(f"\n[reliability] full disk (tmpfs, {ballast >> 20} MiB ballast): {up_tps:.0f} tok/s with space, "
           f"{down_tps:.0f} tok/s full (x{ratio:.2f}); counters while full {d_full}")
-    assert ratio >= MIN_THROUGHPUT_RATIO, (up_tps, down_tps)
+    _never_waited(up, down)
 
 
 EXIT_SCRIPT = """
 import sys, time, torch
-from attn_otel import capture
-capture.EXIT_DRAIN_S = float(sys.argv[2])
+from attn_otel import handoff
+handoff.EXIT_DRAIN_S = float(sys.argv[2])
 from attn_otel.capture import CaptureEngine
 from attn_otel.tap import LayerSpec
 from attn_otel.tracking import FinishedRequest
