@@ -1,0 +1,147 @@
+"""The torch reference's attention terms (soft-cap, sliding window, sinks) against a direct NumPy computation
+of each formula on random Q/K, and the metrics' meaning under them (attn_otel.attention's docstring)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from attn_otel.attention import METRICS, attention_maps, attention_metrics
+from attn_otel.tap import LayerSpec
+
+HQ, HKV, D = 4, 2, 32
+SCALE = 3 / math.sqrt(D)  # peaky logits, so that a soft-cap of 5 bites
+
+
+def qk(T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn((T, HQ, D), generator=g).to(torch.bfloat16),
+            torch.randn((T, HKV, D), generator=g).to(torch.bfloat16))
+
+
+def numpy_maps(q, k, scale, soft_cap=0.0, window=0, sinks=None):
+    """p_ij = exp(l_ij) / (exp(s_h) + sum_{visible j} exp(l_ij)), l = cap * tanh(q.k * scale / cap)."""
+    qn, kn = q.double().numpy(), k.double().numpy()
+    T = qn.shape[0]
+    kv_of = np.arange(HQ) // (HQ // HKV)
+    logits = np.einsum("ihd,jhd->hij", qn, kn[:, kv_of]) * scale
+    if soft_cap:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+    i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+    visible = (j <= i) & ((i - j < window) if window else True)
+    out = np.zeros_like(logits)
+    for h in range(HQ):
+        for r in range(T):
+            l = logits[h, r, visible[r]]
+            m = l.max() if sinks is None else max(l.max(), sinks[h])
+            e = np.exp(l - m)
+            den = e.sum() + (0.0 if sinks is None else np.exp(sinks[h] - m))
+            out[h, r, visible[r]] = e / den
+    return out
+
+
+SINKS = np.array([0.5, 3.0, -1.0, 6.0])
+CASES = {
+    "softcap": dict(soft_cap=5.0),
+    "window": dict(window=16),
+    "sinks": dict(sinks=SINKS),
+    "all": dict(soft_cap=5.0, window=16, sinks=SINKS),
+}
+
+
+def torch_terms(terms):
+    t = dict(terms)
+    if "sinks" in t:
+        t["sinks"] = torch.tensor(t["sinks"], dtype=torch.float32)
+    return t
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASES.keys())
+@pytest.mark.parametrize("T", [5, 80, 130])
+def test_maps_apply_the_terms_as_the_formula_says(case, T):
+    q, k = qk(T)
+    want = numpy_maps(q, k, SCALE, **CASES[case])
+    got = attention_maps(q, k, SCALE, rows=64, **torch_terms(CASES[case])).double().numpy()
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
+    if "sinks" in CASES[case]:
+        assert got.sum(-1).max() <= 1 + 1e-6 and got.sum(-1).min() < 0.9  # the sink takes its share
+    else:
+        np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+
+
+def numpy_metrics(maps, N, W, k=4):
+    """The metrics by hand under a window W (0: none), per the docstring of attention_metrics."""
+    H, T, _ = maps.shape
+    out = {m: np.full((H, T), np.nan) for m in METRICS}
+    for i in range(T):
+        lo = max(0, i - W + 1) if W else 0
+        n = i + 1 - lo
+        p = maps[:, i]
+        ent = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0).sum(-1)
+        out["entropy"][:, i] = ent
+        if n > 1:
+            out["entropy_norm"][:, i] = ent / math.log(n)
+        if i >= k and lo == 0:
+            out["sink_mass_first"][:, i] = p[:, 0]
+        if i >= k and lo < k:
+            out["sink_mass_k"][:, i] = p[:, :k].sum(-1)
+        if i >= N and N - lo > 0:
+            ctx = p[:, lo:N].sum(-1) / (N - lo)
+            new = p[:, max(lo, N):i + 1].sum(-1) / (i + 1 - max(lo, N))
+            out["lookback_ratio"][:, i] = ctx / (ctx + new)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASES.keys())
+def test_metrics_under_the_terms(case):
+    T, N = 100, 60
+    q, k = qk(T, seed=1)
+    terms = CASES[case]
+    maps = numpy_maps(q, k, SCALE, **terms)
+    want = numpy_metrics(maps, N, terms.get("window", 0))
+    got = attention_metrics(q, k, SCALE, N, rows=64, **torch_terms(terms)).numpy()
+    for mi, name in enumerate(METRICS[:4] + METRICS[6:]):
+        g = got[METRICS.index(name)]
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(want[name]), err_msg=name)
+        np.testing.assert_allclose(g, want[name], atol=2e-5, rtol=0, equal_nan=True, err_msg=name)
+
+
+def test_windowed_rows_far_from_the_start_have_no_sink_mass_and_lookback_only_while_the_prompt_is_visible():
+    T, N, W = 80, 40, 16
+    got = attention_metrics(*qk(T), SCALE, N, window=W).numpy()
+    first, k_mass, lookback = (got[METRICS.index(m)] for m in ("sink_mass_first", "sink_mass_k", "lookback_ratio"))
+    assert np.isfinite(first[:, 4:W]).all() and np.isnan(first[:, W:]).all()
+    assert np.isfinite(k_mass[:, 4:W + 3]).all() and np.isnan(k_mass[:, W + 3:]).all()
+    assert np.isfinite(lookback[:, N:N + W - 1]).all() and np.isnan(lookback[:, N + W - 1:]).all()
+
+
+def test_vision_share_counts_visible_image_keys_only():
+    T, W = 60, 8
+    q, k = qk(T)
+    vm = torch.zeros(T, dtype=torch.bool)
+    vm[2:10] = True
+    got = attention_metrics(q, k, SCALE, T, vision_mask=vm, window=W).numpy()
+    maps = numpy_maps(q, k, SCALE, window=W)
+    share = got[METRICS.index("vision_share")]
+    norm = got[METRICS.index("vision_share_norm")]
+    for i in range(T):
+        lo = max(0, i - W + 1)
+        cnt = int(vm[lo:i + 1].sum())
+        if cnt == 0:
+            assert np.isnan(share[:, i]).all() and np.isnan(norm[:, i]).all()
+        else:
+            want = maps[:, i, 2:10].sum(-1)
+            np.testing.assert_allclose(share[:, i], want, atol=2e-6)
+            np.testing.assert_allclose(norm[:, i], want / (cnt / (i + 1 - lo)), atol=2e-5)
+
+
+def test_a_layer_spec_is_plain_only_without_terms_and_stays_hashable():
+    base = dict(index=0, name="l0", num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=SCALE)
+    assert LayerSpec(**base).plain
+    for extra in (dict(soft_cap=30.0), dict(window=16), dict(sinks=(0.0,) * HQ)):
+        spec = LayerSpec(**base, **extra)
+        assert not spec.plain
+        hash(spec)
+    t = LayerSpec(**base, sinks=(1.0, 2.0, 3.0, 4.0)).terms("cpu")
+    assert t["sinks"].tolist() == [1.0, 2.0, 3.0, 4.0] and t["window"] == 0 and t["soft_cap"] == 0.0
