@@ -145,3 +145,78 @@ def test_a_layer_spec_is_plain_only_without_terms_and_stays_hashable():
         hash(spec)
     t = LayerSpec(**base, sinks=(1.0, 2.0, 3.0, 4.0)).terms("cpu")
     assert t["sinks"].tolist() == [1.0, 2.0, 3.0, 4.0] and t["window"] == 0 and t["soft_cap"] == 0.0
+
+
+# --- which slots index a windowed layer's tap (vllm_adapter._window_groups; no engine) -----------------
+
+class _Spec:
+    def __init__(self, block_size):
+        self.block_size = block_size
+
+
+class FullAttentionSpec(_Spec):
+    pass
+
+
+class SlidingWindowSpec(_Spec):
+    pass
+
+
+class _Group:
+    def __init__(self, spec, names):
+        self.kv_cache_spec, self.layer_names = spec, names
+
+
+class _Config:
+    def __init__(self, *groups):
+        self.kv_cache_groups = list(groups)
+
+
+def _spec(i, group, window):
+    return LayerSpec(index=i, name=f"model.layers.{i}.attn", num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                     scale=SCALE, group=group, window=window)
+
+
+def test_windowed_layers_of_a_hybrid_model_tap_by_the_full_attention_groups_slots():
+    from attn_otel.vllm_adapter import _window_groups
+
+    cfg = _Config(_Group(SlidingWindowSpec(16), ["model.layers.0.attn", "model.layers.2.attn"]),
+                  _Group(FullAttentionSpec(16), ["model.layers.1.attn", "model.layers.3.attn"]))
+    specs = [_spec(0, 0, 16), _spec(1, 1, 0), _spec(2, 0, 16), _spec(3, 1, 0)]
+    kept, refused = _window_groups(specs, cfg)
+    assert not refused
+    assert [(s.group, s.slots_from) for s in kept] == [(1, "model.layers.1.attn"), (1, ""),
+                                                        (1, "model.layers.1.attn"), (1, "")]
+
+
+def test_windowed_layers_in_a_full_attention_group_keep_their_own_slots():
+    from attn_otel.vllm_adapter import _window_groups
+
+    # the hybrid KV-cache manager off: vLLM promotes window layers to full attention (no block is freed)
+    cfg = _Config(_Group(FullAttentionSpec(16), [f"model.layers.{i}.attn" for i in range(2)]))
+    kept, refused = _window_groups([_spec(0, 0, 16), _spec(1, 0, 0)], cfg)
+    assert not refused and [s.slots_from for s in kept] == ["", ""]
+
+
+def test_a_window_without_a_full_attention_group_is_refused_by_name():
+    from attn_otel.vllm_adapter import _window_groups
+
+    cfg = _Config(_Group(SlidingWindowSpec(16), [f"model.layers.{i}.attn" for i in range(2)]))
+    kept, refused = _window_groups([_spec(0, 0, 16), _spec(1, 0, 16)], cfg)
+    assert kept == []
+    assert refused == [f"model.layers.{i}.attn (sliding window without a full-attention KV-cache group "
+                       "(blocks freed out of the window))" for i in range(2)]
+
+
+def test_the_window_is_read_in_each_backends_convention():
+    from types import SimpleNamespace as NS
+
+    from attn_otel.vllm_adapter import _refusal, _terms, _window
+
+    assert _window(NS(sliding_window=16)) == 16  # CPU_ATTN: W as given
+    assert _window(NS(sliding_window=(15, 0))) == 16  # FLASH_ATTN & co: (W - 1, 0)
+    assert _window(NS(sliding_window=-1)) == 0 and _window(NS(sliding_window=(-1, -1))) == 0
+    assert _window(NS(sliding_window=None)) == 0
+    assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=(15, 3), alibi_slopes=None))) is not None
+    impl = NS(num_heads=4, logits_soft_cap=30.0, sliding_window=-1, sinks=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert _terms(impl) == dict(soft_cap=30.0, window=0, sinks=(1.0, 2.0, 3.0, 4.0))
