@@ -13,6 +13,7 @@ ISA-specific packing; docs/configuration.md says what that costs.  Streamed laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import torch
@@ -41,9 +42,15 @@ class LayerSpec:
         return not self.window and not self.soft_cap and self.sinks is None
 
     def terms(self, device) -> dict:
-        """The keyword arguments of :func:`attn_otel.attention.attention_metrics` for this layer's terms."""
-        sinks = None if self.sinks is None else torch.tensor(self.sinks, dtype=torch.float32, device=device)
+        """The keyword arguments of :func:`attn_otel.attention.attention_metrics` for this layer's terms (the
+        sinks as a float32 device tensor, made once per device)."""
+        sinks = None if self.sinks is None else _sinks_tensor(self.sinks, str(torch.device(device)))
         return dict(soft_cap=float(self.soft_cap), window=int(self.window), sinks=sinks)
+
+
+@functools.lru_cache(maxsize=256)
+def _sinks_tensor(sinks: tuple[float, ...], device: str) -> torch.Tensor:
+    return torch.tensor(sinks, dtype=torch.float32, device=device)
 
 
 class QKTap:

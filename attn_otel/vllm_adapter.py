@@ -560,6 +560,9 @@ def _tap_layer(engine, spec, layer) -> bool:
                     slot_mapping = slots.get(slots_name) if isinstance(slots, dict) else None
                     if slot_mapping is None and not spec.slots_from:
                         slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+                    elif slot_mapping is None:  # never the window group's own slots (freed blocks)
+                        engine.warn_once("tap-slots", "no slot mapping of %s for windowed layer %s: its "
+                                         "captures will be wrong", slots_name, name)
                 if slot_mapping is not None:
                     q = query
                     if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
