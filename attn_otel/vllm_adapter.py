@@ -447,6 +447,7 @@ def _install(runner, kv_cache_config) -> None:
         logger.warning("attn-otel: not capturing %d layer(s) it cannot reproduce exactly: %s", len(refused),
                        ", ".join(refused[:8]) + (" ..." if len(refused) > 8 else ""))
         layers = {s.name: layers[s.name] for s in specs}
+        logger.info("attn-otel: capturing layers %s after those", [s.index for s in specs])
     windowed = [s.index for s in specs if s.slots_from]
     if windowed:
         logger.info("attn-otel: windowed layers %s tap by the slots of full-attention layer %s (their own KV "

@@ -30,17 +30,36 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 
-@pytest.fixture(scope="module", params=["gemma2", "gptoss"])
-def served(request, tmp_path_factory):
-    which = request.param
-    tmp = tmp_path_factory.mktemp(which)
-    model = (build_gemma2 if which == "gemma2" else build_gptoss)(tmp / "model")
+def serve(tmp: Path, model: str) -> tuple[Path, dict, str]:
     store, out = tmp / "store", tmp / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(HERE / "variant_serve.py"), model, str(store), str(out), "64"],
                           env=env, cwd=str(tmp), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return which, model, store, json.loads(out.read_text())
+    return store, json.loads(out.read_text()), proc.stderr
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gptoss"])
+def served(request, tmp_path_factory):
+    which = request.param
+    tmp = tmp_path_factory.mktemp(which)
+    model = (build_gemma2 if which == "gemma2" else build_gptoss)(tmp / "model")
+    store, got, _ = serve(tmp, model)
+    assert got["kv_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"] or got["kv_groups"] == [
+        "FullAttentionSpec", "SlidingWindowSpec"]  # vLLM's hybrid KV-cache manager: window blocks are freed
+    return which, model, store, got
+
+
+def test_a_model_whose_every_layer_has_a_window_is_refused_by_name_and_still_served(tmp_path):
+    """One KV-cache group, a SlidingWindowManager's: blocks out of the window are freed (and reused) before
+    the request finishes, and no full-attention group keeps the positions; attn-otel refuses, vLLM serves."""
+    store, got, stderr = serve(tmp_path, build_gemma2(tmp_path / "model", all_window=True))
+    assert got["kv_groups"] == ["SlidingWindowSpec"] and got["captured"] == 0
+    assert all(len(r["output"]) > 0 for r in got["requests"])
+    for i in range(4):
+        assert (f"model.layers.{i}.self_attn.attn (sliding window without a full-attention KV-cache group "
+                "(blocks freed out of the window))") in stderr
+    assert not (store / "traces").exists() or not any(p.name != "zarr.json" for p in (store / "traces").iterdir())
 
 
 def bf16_attention(path: str, token_ids) -> np.ndarray:

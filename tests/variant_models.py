@@ -19,7 +19,7 @@ def _save(model, path: Path) -> str:
     return str(path)
 
 
-def build_gemma2(path: Path) -> str:
+def build_gemma2(path: Path, all_window: bool = False) -> str:
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -29,7 +29,7 @@ def build_gemma2(path: Path) -> str:
                        sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
                        max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
                        pad_token_id=0)
-    cfg.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(4)]
+    cfg.layer_types = ["sliding_attention" if i % 2 == 0 or all_window else "full_attention" for i in range(4)]
     model = Gemma2ForCausalLM(cfg)
     return _save(model, path)
 

@@ -48,6 +48,12 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
             results.append({"trace_id": t, "prompt": list(o.prompt_token_ids),
                             "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)})
     llm.llm_engine.step()
+    kvm = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    groups = [type(g.kv_cache_spec).__name__ for g in kvm.kv_cache_config.kv_cache_groups]
+    if not vllm_adapter.engines():  # every layer refused: capture is off, the model still served
+        with open(out_json, "w") as f:
+            json.dump({"requests": results, "kv_groups": groups, "captured": 0}, f)
+        return
     (engine,) = vllm_adapter.engines()
     assert engine.flush(120), "captures not written within 120 s"
     specs = [{"index": s.index, "window": s.window, "soft_cap": s.soft_cap, "sinks": s.sinks,
@@ -55,7 +61,7 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     kv = llm.llm_engine.vllm_config.cache_config
     stats = engine.stats_snapshot()
     with open(out_json, "w") as f:
-        json.dump({"requests": results, "layers": specs, "num_blocks": kv.num_gpu_blocks,
+        json.dump({"requests": results, "layers": specs, "kv_groups": groups, "num_blocks": kv.num_gpu_blocks,
                    "captured": stats["captured"], "dropped": stats["dropped"]}, f)
 
 
