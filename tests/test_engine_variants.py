@@ -30,10 +30,10 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 
 
-def serve(tmp: Path, model: str) -> tuple[Path, dict, str]:
+def serve(tmp: Path, model: str, *extra: str) -> tuple[Path, dict, str]:
     store, out = tmp / "store", tmp / "out.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "variant_serve.py"), model, str(store), str(out), "64"],
+    proc = subprocess.run([sys.executable, str(HERE / "variant_serve.py"), model, str(store), str(out), "64", *extra],
                           env=env, cwd=str(tmp), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return store, json.loads(out.read_text()), proc.stderr
@@ -156,3 +156,21 @@ def test_metrics_mean_what_the_docs_say_under_a_window(served):
     assert np.isfinite(lb[1::2, :, N:]).all()  # full layers see the prompt
     if T - N >= WINDOW:
         assert np.isnan(lb[0::2, :, N + WINDOW - 1:]).all()  # windowed rows that no longer see the prompt
+
+
+def test_the_scenario_does_reuse_freed_window_blocks(tmp_path):
+    """The control: the same run with the windowed layers tapped by their own KV-cache group's slots (which
+    vLLM frees out of the window and gives to other requests) stores wrong maps for them, so the scenario
+    above does exercise the freeing that tapping by a full-attention group's slots makes exact."""
+    model = build_gemma2(tmp_path / "model")
+    store, got, _ = serve(tmp_path, model, "--own-slots")
+    assert all(s["slots_from"] == "" for s in got["layers"])
+    worst = {0: 0.0, 1: 0.0}
+    for r in got["requests"]:
+        (cap,) = attn_otel.open_trace(r["trace_id"], store=store)
+        ids = r["prompt"] + r["output"]
+        maps, ref = cap.maps(), hf_attention(model, ids[:len(ids) - 1])
+        for li in range(maps.shape[0]):
+            worst[li % 2] = max(worst[li % 2], float(np.median(row_tv(maps[li], ref[li]))))
+    print(f"\ncontrol (own slots): worst per-request median TV, window layers {worst[0]:.3f}, full {worst[1]:.4f}")
+    assert worst[0] > 0.1 and worst[1] < 0.02

@@ -66,4 +66,9 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
 
 
 if __name__ == "__main__":
+    if "--own-slots" in sys.argv:  # the control: windowed layers tapped by their own group's (freed) slots
+        sys.argv.remove("--own-slots")
+        from attn_otel import vllm_adapter
+
+        vllm_adapter._window_groups = lambda specs, kv_cache_config: (specs, [])
     main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64)
