@@ -3,6 +3,8 @@ of each formula on random Q/K, and the metrics' meaning under them (attn_otel.at
 
 import math
 
+import attn_otel
+
 import numpy as np
 import pytest
 import torch
@@ -220,3 +222,65 @@ def test_the_window_is_read_in_each_backends_convention():
     assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=(15, 3), alibi_slopes=None))) is not None
     impl = NS(num_heads=4, logits_soft_cap=30.0, sliding_window=-1, sinks=torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert _terms(impl) == dict(soft_cap=30.0, window=0, sinks=(1.0, 2.0, 3.0, 4.0))
+
+
+# --- routing: layers with terms never take the Triton paths (capture engine, no vLLM) --------------------
+
+def _capture_engine(tmp_path, **cfg):
+    from attn_otel.capture import CaptureEngine
+    from attn_otel.config import Config
+
+    plain = LayerSpec(index=0, name="l0", num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=SCALE)
+    variant = LayerSpec(index=1, name="l1", num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=SCALE,
+                        soft_cap=5.0, window=16, sinks=tuple(SINKS.tolist()))
+    cfg.setdefault("row_metrics", "all")
+    eng = CaptureEngine(Config(store=str(tmp_path / "store"), **cfg), [plain, variant], 256,
+                        torch.float32, "cpu")
+    g = torch.Generator().manual_seed(3)
+    for i in (0, 1):
+        eng.tap.write(i, torch.randn(200, HQ * D, generator=g), torch.randn(200, HKV * D, generator=g),
+                      torch.arange(200))
+    return eng
+
+
+def _finished(T, layers="all", mode="metrics"):
+    from attn_otel.ids import new_span_id, new_trace_id
+    from attn_otel.tracking import FinishedRequest
+
+    trace = new_trace_id()
+    extra = {"attn_otel": mode, "attn_otel_layers": layers, "traceparent": f"00-{trace}-{new_span_id()}-01"}
+    return trace, FinishedRequest(f"r{T}-{layers}", list(range(T - 2)), [7, 8], T, [list(range(16))], [16], extra)
+
+
+def test_captures_with_a_variant_layer_skip_the_gpu_batched_path(tmp_path):
+    eng = _capture_engine(tmp_path, row_metrics="maps")  # metrics-only rows summarised where they are
+    eng._fused, eng.planner.summarised_on_device = True, True  # as on a GPU with Triton
+    batched, computed = [], []
+    eng.batched.admit = lambda plan: True
+    eng.batched.run = lambda batch: batched.extend(batch)
+    eng.compute.submit = lambda plan: computed.append(plan)
+    eng.on_finished_many([_finished(50, "0")[1], _finished(60, "all")[1], _finished(70, "1")[1]])
+    assert [p.T for p in batched] == [50] and batched[0].plain and batched[0].summarised
+    assert [p.T for p in computed] == [60, 70]
+    assert not any(p.plain or p.summarised for p in computed)  # per-row metrics through the torch path
+    eng.close()
+
+
+def test_the_compute_thread_applies_a_variant_layers_terms(tmp_path):
+    eng = _capture_engine(tmp_path)
+    trace, req = _finished(100, "all", mode="maps")
+    eng.on_finished(req)
+    assert eng.flush(60)
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    q, k = eng.tap.q[1][:100], eng.tap.k[1][:100]
+    terms = dict(soft_cap=5.0, window=16, sinks=torch.tensor(SINKS, dtype=torch.float32))
+    want_maps = attention_maps(q, k, SCALE, **terms).numpy()
+    np.testing.assert_allclose(cap.maps()[1], want_maps, atol=1e-3)  # stored in float16
+    want = attention_metrics(q, k, SCALE, 98, **terms).numpy()
+    for mi, name in enumerate(METRICS):
+        if name not in cap.metrics:  # vision share: text only
+            continue
+        np.testing.assert_allclose(cap.metrics[name][1], want[mi], atol=1e-5, equal_nan=True, err_msg=name)
+    assert np.isnan(cap.metrics["sink_mass_first"][1][:, 16:]).all()  # the window layer
+    assert np.isfinite(cap.metrics["sink_mass_first"][0][:, 16:]).all()  # the plain one
+    eng.close()
