@@ -176,6 +176,8 @@ def _refusal(layer) -> str | None:
         return f"attention type {attn_type}"
     if getattr(impl, "alibi_slopes", None) is not None:
         return "ALiBi"
+    if getattr(layer, "attention_chunk_size", None):  # Llama 4's local layers (ChunkedLocalAttention)
+        return f"chunked local attention ({layer.attention_chunk_size})"
     if getattr(layer, "kv_sharing_target_layer_name", None):
         return "KV sharing"
     if _window(impl) < 0:

@@ -220,6 +220,10 @@ def test_the_window_is_read_in_each_backends_convention():
     assert _window(NS(sliding_window=-1)) == 0 and _window(NS(sliding_window=(-1, -1))) == 0
     assert _window(NS(sliding_window=None)) == 0
     assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=(15, 3), alibi_slopes=None))) is not None
+    assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=None, alibi_slopes=None),
+                       attention_chunk_size=8192)) == "chunked local attention (8192)"
+    assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=16, alibi_slopes=None, sinks=None,
+                               logits_soft_cap=30.0))) is None  # captured now, with its terms
     impl = NS(num_heads=4, logits_soft_cap=30.0, sliding_window=-1, sinks=torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert _terms(impl) == dict(soft_cap=30.0, window=0, sinks=(1.0, 2.0, 3.0, 4.0))
 
