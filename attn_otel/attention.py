@@ -32,63 +32,105 @@ METRICS = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_
            "vision_share_norm", "lookback_ratio")
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int) -> torch.Tensor:
-    """Softmax rows r0..r1-1 for every query head: float32 [Hq, r1-r0, T]; causal; GQA by head groups."""
+def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int, soft_cap: float = 0.0,
+           window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax rows r0..r1-1 for every query head: float32 [Hq, r1-r0, T]; causal; GQA by head groups.
+
+    The model's own attention terms, in the order vLLM's kernels apply them: logits = q.k * scale, then
+    ``soft_cap`` c > 0: logits = c * tanh(logits / c); ``window`` W > 0: row i sees keys i-W+1 .. i only
+    (vLLM's and HF's convention: i - j < W); ``sinks`` [Hq]: a learned logit s_h per query head in the
+    softmax denominator, p_ij = exp(l_ij) / (exp(s_h) + sum_j exp(l_ij)), so a row sums to 1 - its sink share.
+    """
     T, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     qf = q[r0:r1].float().permute(1, 0, 2).reshape(hkv, g * (r1 - r0), d)  # [Hkv, g*rows, D]
     kf = k.float().permute(1, 2, 0)  # [Hkv, D, T]
     logits = torch.bmm(qf, kf).view(hq, r1 - r0, T).mul_(scale)
+    if soft_cap:
+        logits = logits.div_(soft_cap).tanh_().mul_(soft_cap)
     rows = torch.arange(r0, r1, device=q.device).view(1, -1, 1)
     cols = torch.arange(T, device=q.device).view(1, 1, -1)
-    logits.masked_fill_(cols > rows, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    hidden = cols > rows
+    if window and window > 0:
+        hidden = hidden | (rows - cols >= window)
+    logits.masked_fill_(hidden, float("-inf"))
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    lse = torch.logaddexp(torch.logsumexp(logits, dim=-1), sinks.float().view(hq, 1))  # [Hq, rows]
+    return torch.exp(logits - lse.unsqueeze(-1))
 
 
 def attention_maps(q: torch.Tensor, k: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                   rows: int = ROWS) -> torch.Tensor:
-    """Full causal maps [Hq, T, T] (written into ``out`` when given, any float dtype)."""
+                   rows: int = ROWS, soft_cap: float = 0.0, window: int = 0,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Full causal maps [Hq, T, T] (written into ``out`` when given, any float dtype); the terms as in
+    :func:`_probs`."""
     T, hq, _ = q.shape
     if out is None:
         out = torch.empty((hq, T, T), dtype=torch.float32, device=q.device)
     for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
-        out[:, r0:r1] = _probs(q, k, scale, r0, r1)
+        out[:, r0:r1] = _probs(q, k, scale, r0, r1, soft_cap, window, sinks)
     return out
 
 
 def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int,
                       sink_tokens: int = 4, vision_mask: torch.Tensor | None = None,
-                      maps_out: torch.Tensor | None = None, rows: int = ROWS, start: int = 0) -> torch.Tensor:
+                      maps_out: torch.Tensor | None = None, rows: int = ROWS, start: int = 0,
+                      soft_cap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row metrics float32 [len(METRICS), Hq, T] (NaN where undefined), never holding a full map.
 
     With ``maps_out`` ([Hq, T, T]), the probabilities are also written there, band by band.  With ``start``,
     only rows ``start ..`` are computed (the earlier rows of ``q`` are not read; their results stay NaN).
+
+    The model's attention terms (``soft_cap``, ``window``, ``sinks``) are those of :func:`_probs`.  What the
+    metrics mean under them:
+
+    - visible keys: row i sees keys max(0, i-W+1) .. i under a window W, so n_i = min(i+1, W); ``entropy_norm``
+      divides by ln(n_i) (NaN where n_i = 1).
+    - sinks: the map row is the keys' probabilities as the model computed them, summing to 1 - sink share;
+      ``entropy`` is -sum_j A_ij ln A_ij over those key probabilities only (the sink's own share is not a
+      term), still normalised by ln(n_i).  The sink logit's share (1 - sum_j A_ij) is not a metric here.
+    - ``sink_mass_first`` / ``sink_mass_k`` (rows i >= k): the mass on keys 0 / 0..k-1 that row i can see;
+      NaN where none of them is visible (a windowed row far from the start: the layer cannot attend there,
+      as ``vision_share`` is NaN where no image key is visible), never a 0 that would read as "no sink".
+    - ``vision_share`` counts visible image keys only (chance share = visible image keys / n_i).
+    - ``lookback_ratio``: ctx = mean over the visible prompt keys, new = mean over the visible generated keys
+      (N..i, at least the row's own key); NaN where no prompt key is visible.
     """
     T, hq, _ = q.shape
     dev = q.device
+    W = int(window) if window and window > 0 else 0
     res = torch.full((len(METRICS), hq, T), float("nan"), dtype=torch.float32, device=dev)
-    n_vis = torch.arange(1, T + 1, device=dev, dtype=torch.float32)
+    pos = torch.arange(T, device=dev)
+    lo = (pos - W + 1).clamp_min(0) if W else torch.zeros_like(pos)  # first visible key of each row
+    n_vis = (pos + 1 - lo).float()
     log_n = torch.log(n_vis)
     if vision_mask is not None and tuple(vision_mask.shape) != (T,):
         raise ValueError(f"vision_mask has shape {tuple(vision_mask.shape)}, expected ({T},)")
     vm = vision_mask.to(device=dev, dtype=torch.float32) if vision_mask is not None else None
-    vis_count = torch.cumsum(vm, 0) if vm is not None else None
+    vis_count = None
+    if vm is not None:
+        cum = torch.cat([torch.zeros(1, device=dev), torch.cumsum(vm, 0)])  # cum[j] = image keys before j
+        vis_count = cum[pos + 1] - cum[lo]
     N = int(prompt_len)
     kk = int(sink_tokens)
     for r0 in range(int(start), T, rows):
         r1 = min(T, r0 + rows)
-        p = _probs(q, k, scale, r0, r1)  # [H, r, T]
+        p = _probs(q, k, scale, r0, r1, soft_cap, W, sinks)  # [H, r, T]
         if maps_out is not None:
             maps_out[:, r0:r1] = p
         ent = -torch.xlogy(p, p).sum(-1)
         res[0, :, r0:r1] = ent
         ln = log_n[r0:r1]
         res[1, :, r0:r1] = torch.where(ln > 0, ent / ln.clamp_min(1e-30), torch.nan)
-        ok = (torch.arange(r0, r1, device=dev) >= kk)
-        res[2, :, r0:r1] = torch.where(ok, p[..., 0], torch.nan)
-        res[3, :, r0:r1] = torch.where(ok, p[..., :kk].sum(-1), torch.nan)
+        i = pos[r0:r1]
+        ok = i >= kk
+        first_ok = ok & (lo[r0:r1] == 0)
+        k_ok = ok & (lo[r0:r1] < max(kk, 1))
+        res[2, :, r0:r1] = torch.where(first_ok, p[..., 0], torch.nan)
+        res[3, :, r0:r1] = torch.where(k_ok, p[..., :kk].sum(-1), torch.nan)
         if vm is not None:
             share = (p * vm).sum(-1)
             cnt = vis_count[r0:r1]
@@ -98,13 +140,15 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
         if r1 > N and N > 0:  # Lookback Lens: generated rows i >= N; new keys N..i, the row's own included
             a = max(r0, N)
             pa = p[:, a - r0:]
-            ctx = pa[..., :N].sum(-1) / N
-            i = torch.arange(a, r1, device=dev)
-            new_cols = torch.arange(T, device=dev)
-            nmask = (new_cols >= N).view(1, -1) & (new_cols.view(1, -1) <= i.view(-1, 1))  # [r, T]
-            new = (pa * nmask).sum(-1) / (i - N + 1).float()
+            ia = pos[a:r1]
+            la = lo[a:r1]
+            n_ctx = (N - la).clamp_min(0).float()  # visible prompt keys
+            n_new = (ia - torch.maximum(la, torch.full_like(la, N)) + 1).float()  # visible generated keys
+            ctx = pa[..., :N].sum(-1) / n_ctx.clamp_min(1)
+            nmask = (pos >= N).view(1, -1) & (pos.view(1, -1) <= ia.view(-1, 1))  # [r, T]; hidden keys are 0
+            new = (pa * nmask).sum(-1) / n_new
             tot = ctx + new
-            res[6, :, a:r1] = torch.where(tot > 0, ctx / tot.clamp_min(1e-30), torch.nan)
+            res[6, :, a:r1] = torch.where((tot > 0) & (n_ctx > 0), ctx / tot.clamp_min(1e-30), torch.nan)
     return res
 
 

@@ -111,7 +111,7 @@ class CaptureEngine:
             launches = triton_metrics.warm_up_summaries(self.device)
             if self.stream is not None:
                 launches += self.stream.warm_up()
-            tapped = [s for s in self.layers if s.index not in self.streamed]
+            tapped = [s for s in self.layers if s.index not in self.streamed and s.plain]
             if tapped:
                 spec = tapped[0]
                 slots = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -173,7 +173,9 @@ class CaptureEngine:
                 plan = self.planner.plan(req)
                 if plan is None:
                     continue
-                if not plan.want_maps and self._fused:  # batched with the step's others
+                # batched with the step's others; layers with a window, soft-cap or sinks (terms the Triton
+                # kernels lack) go to the compute thread's torch path
+                if not plan.want_maps and self._fused and plan.plain:
                     if self.batched.admit(plan):
                         batch.append(plan)
                     continue

@@ -202,7 +202,7 @@ class ComputeThread:
                     per_row_host[:, li, : spec.num_heads].copy_(got.permute(1, 2, 0), non_blocking=cuda)
                     continue
                 q, k = qk
-                if fused:  # one launch per layer instead of a band loop (see docs/benchmarks/overhead.md)
+                if fused and spec.plain:  # one launch per layer instead of a band loop (see docs/benchmarks/overhead.md)
                     res = triton_metrics.row_metrics(q[None], k[None], spec.scale, rec.prompt_len,
                                                      self.config.sink_tokens, vision)
                     per_row_host[:, li, : spec.num_heads].copy_(res[0], non_blocking=True)
@@ -212,7 +212,8 @@ class ComputeThread:
                     maps_dev = maps_host[li, : spec.num_heads] if not cuda else torch.empty(
                         (spec.num_heads, T, T), dtype=torch.float16, device=self.device)
                 per_row = attention_metrics(q, k, spec.scale, rec.prompt_len, self.config.sink_tokens, vision,
-                                            maps_out=maps_dev, rows=self._rows(spec.num_heads, T))
+                                            maps_out=maps_dev, rows=self._rows(spec.num_heads, T),
+                                            **spec.terms(self.device))
                 per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
                 if p.want_maps and cuda:
                     self.staging.copy(maps_dev, maps_host[li, : spec.num_heads], self._stream)

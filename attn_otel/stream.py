@@ -562,7 +562,8 @@ class FlushKernels:
                 kc = self.keys[spec.index]
                 k = kc[ks // kc.shape[1], ks % kc.shape[1]]
                 q[a:end] = self.q[li].index_select(0, rows)  # rows before a are never read
-                res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a)
+                res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a,
+                                        **spec.terms(self.device))
                 self.metrics[li].index_copy_(0, out_slots, res[:, :, a:end].permute(2, 0, 1).to(torch.float16))
 
     def warm_up(self, pad_row: int) -> int:

@@ -13,6 +13,7 @@ ISA-specific packing; docs/configuration.md says what that costs.  Streamed laye
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import torch
@@ -28,8 +29,28 @@ class LayerSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    scale: float
-    group: int = 0  # KV-cache group of the layer
+    scale: float  # vLLM's impl.scale (carries a model's own query scaling, e.g. Gemma's query_pre_attn_scalar)
+    group: int = 0  # KV-cache group whose slots index the layer's tap (its own, or see ``slots_from``)
+    soft_cap: float = 0.0  # logits soft-cap c (c * tanh(logits / c)); 0: none
+    window: int = 0  # sliding window W (row i sees keys i-W+1 .. i); 0: none
+    sinks: tuple[float, ...] | None = None  # learned sink logit per query head (this rank's heads); None: none
+    slots_from: str = ""  # a full-attention layer whose slot mapping indexes this (windowed) layer's tap
+
+    @property
+    def plain(self) -> bool:
+        """No window, soft-cap or sinks: the terms the Triton kernels implement (the torch path does all)."""
+        return not self.window and not self.soft_cap and self.sinks is None
+
+    def terms(self, device) -> dict:
+        """The keyword arguments of :func:`attn_otel.attention.attention_metrics` for this layer's terms (the
+        sinks as a float32 device tensor, made once per device)."""
+        sinks = None if self.sinks is None else _sinks_tensor(self.sinks, str(torch.device(device)))
+        return dict(soft_cap=float(self.soft_cap), window=int(self.window), sinks=sinks)
+
+
+@functools.lru_cache(maxsize=256)
+def _sinks_tensor(sinks: tuple[float, ...], device: str) -> torch.Tensor:
+    return torch.tensor(sinks, dtype=torch.float32, device=device)
 
 
 class QKTap:

@@ -174,18 +174,68 @@ def _refusal(layer) -> str | None:
     attn_type = str(getattr(impl, "attn_type", "decoder")).lower()
     if "decoder" not in attn_type or "encoder" in attn_type:
         return f"attention type {attn_type}"
-    sw = getattr(impl, "sliding_window", None)
-    if sw not in (None, -1, (-1, -1), [-1, -1]):
-        return "sliding window"
-    if getattr(impl, "logits_soft_cap", None) not in (None, 0, 0.0):
-        return "logits soft-capping"
     if getattr(impl, "alibi_slopes", None) is not None:
         return "ALiBi"
-    if getattr(impl, "sinks", None) is not None:
-        return "attention sinks"
+    if getattr(layer, "attention_chunk_size", None):  # Llama 4's local layers (ChunkedLocalAttention)
+        return f"chunked local attention ({layer.attention_chunk_size})"
     if getattr(layer, "kv_sharing_target_layer_name", None):
         return "KV sharing"
+    if _window(impl) < 0:
+        return f"sliding window {getattr(impl, 'sliding_window', None)!r} not causal-left only"
     return None
+
+
+def _window(impl) -> int:
+    """The layer's sliding window W (row i sees keys i-W+1 .. i), 0 for none, -1 for one this cannot read.
+
+    The CPU backend keeps vLLM's ``sliding_window`` W as given (the KV-cache manager's convention: i - j < W);
+    FLASH_ATTN, FLASHINFER and TRITON_ATTN keep it as (left, right) = (W - 1, 0)."""
+    sw = getattr(impl, "sliding_window", None)
+    if sw is None:
+        return 0
+    if isinstance(sw, (tuple, list)):
+        left, right = (int(x) for x in sw)
+        if left < 0:
+            return 0
+        return left + 1 if right == 0 else -1
+    return int(sw) if int(sw) > 0 else 0
+
+
+def _terms(impl) -> dict:
+    """The LayerSpec fields of the layer's attention terms: soft-cap, window, sinks (this rank's heads)."""
+    cap = getattr(impl, "logits_soft_cap", None)
+    sinks = getattr(impl, "sinks", None)
+    if sinks is not None:
+        sinks = tuple(float(x) for x in sinks.detach().float().cpu().reshape(-1).tolist())
+        if len(sinks) != int(impl.num_heads):
+            raise ValueError(f"{len(sinks)} sink logits for {impl.num_heads} heads")
+    return dict(soft_cap=float(cap or 0.0), window=_window(impl), sinks=sinks)
+
+
+def _window_groups(specs, kv_cache_config):
+    """Point windowed layers whose KV-cache group frees blocks out of the window (vLLM's SlidingWindowManager,
+    the hybrid KV-cache manager) at a full-attention group's slots: a freed block is reused by other requests
+    while this one runs, which would overwrite the tap rows its finish still reads; a full-attention group
+    keeps every position of the request until it finishes.  Returns (specs kept, refusals)."""
+    import dataclasses
+
+    groups = kv_cache_config.kv_cache_groups
+    freeing = {g for g, grp in enumerate(groups) if type(grp.kv_cache_spec).__name__ != "FullAttentionSpec"}
+    full = [g for g, grp in enumerate(groups) if type(grp.kv_cache_spec).__name__ == "FullAttentionSpec"
+            and grp.layer_names]
+    kept, refused = [], []
+    for s in specs:
+        if s.group not in freeing:
+            kept.append(s)
+            continue
+        same = [g for g in full if int(groups[g].kv_cache_spec.block_size) == int(groups[s.group].kv_cache_spec.block_size)]
+        if not s.window or not same:
+            why = ("sliding window without a full-attention KV-cache group (blocks freed out of the window)"
+                   if s.window else f"KV-cache group of type {type(groups[s.group].kv_cache_spec).__name__}")
+            refused.append(f"{s.name} ({why})")
+            continue
+        kept.append(dataclasses.replace(s, group=same[0], slots_from=groups[same[0]].layer_names[0]))
+    return kept, refused
 
 
 def _layer_specs(runner, config, groups_by_layer=None, log=False):
@@ -217,7 +267,7 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
         impl = layer.impl
         specs.append(LayerSpec(index=i, name=name, num_heads=int(impl.num_heads), num_kv_heads=int(impl.num_kv_heads),
                                head_dim=int(impl.head_size), scale=float(impl.scale),
-                               group=(groups_by_layer or {}).get(name, 0)))
+                               group=(groups_by_layer or {}).get(name, 0), **_terms(impl)))
     if log:
         if refused:
             logger.warning("attn-otel: not capturing %d layer(s) it cannot reproduce exactly: %s",
@@ -314,6 +364,11 @@ def _plan(runner, config, specs, layers, par=None):
 
     captured = par.capture_layers if par is not None else tuple(s.index for s in specs)
     maps = resolve_map_layers(config.map_layers, captured)
+    # Layers with a window, soft-cap or sinks keep the Q/K tap (and so have maps): the stream's Triton kernels
+    # lack those terms.  (Under pipeline parallelism only this stage's such layers are known here.)
+    variant = {s.index for s in specs if not s.plain}
+    if variant - set(maps):
+        maps = type(maps)(sorted(set(maps) | variant))
     streamed = [s for s in specs if s.index not in maps]
     if streamed:
         first = streamed[0]
@@ -389,6 +444,17 @@ def _install(runner, kv_cache_config) -> None:
         for name in group.layer_names:
             groups_by_layer[name] = g
     specs, layers = _layer_specs(runner, config, groups_by_layer, log=True)
+    specs, refused = _window_groups(specs, kv_cache_config)
+    if refused:
+        logger.warning("attn-otel: not capturing %d layer(s) it cannot reproduce exactly: %s", len(refused),
+                       ", ".join(refused[:8]) + (" ..." if len(refused) > 8 else ""))
+        layers = {s.name: layers[s.name] for s in specs}
+        logger.info("attn-otel: capturing layers %s after those", [s.index for s in specs])
+    windowed = [s.index for s in specs if s.slots_from]
+    if windowed:
+        logger.info("attn-otel: windowed layers %s tap by the slots of full-attention layer %s (their own KV "
+                    "blocks are freed out of the window)", windowed, specs[[s.index for s in specs].index(
+                        windowed[0])].slots_from)
     if not specs:
         logger.warning("attn-otel: no layer of this model can be captured; capture is off")
         return
@@ -468,11 +534,13 @@ def _tap_layer(engine, spec, layer) -> bool:
     if getattr(orig, "_attn_otel", False):
         return False
     tap, index, name = engine.tap, spec.index, spec.name
+    slots_name = spec.slots_from or name  # a windowed layer may tap by a full-attention layer's slots
     if spec.index in engine.streamed:
         tap = engine.stream
     q_scale = getattr(layer, "_q_scale", None)
     fused = None
-    if engine.config.kv_write == "fused" and not (spec.index in engine.streamed and spec.index in tap.k_tap):
+    if engine.config.kv_write == "fused" and not spec.slots_from and not (
+            spec.index in engine.streamed and spec.index in tap.k_tap):
         try:
             fused = _fused_kv(layer, spec, engine.tap.dtype, engine.device)
         except Exception:  # noqa: BLE001
@@ -492,9 +560,12 @@ def _tap_layer(engine, spec, layer) -> bool:
                     slots = get_forward_context().slot_mapping
                     if isinstance(slots, list):
                         slots = slots[0]
-                    slot_mapping = slots.get(name) if isinstance(slots, dict) else None
-                    if slot_mapping is None:
+                    slot_mapping = slots.get(slots_name) if isinstance(slots, dict) else None
+                    if slot_mapping is None and not spec.slots_from:
                         slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+                    elif slot_mapping is None:  # never the window group's own slots (freed blocks)
+                        engine.warn_once("tap-slots", "no slot mapping of %s for windowed layer %s: its "
+                                         "captures will be wrong", slots_name, name)
                 if slot_mapping is not None:
                     q = query
                     if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input

@@ -1,0 +1,290 @@
+"""The torch reference's attention terms (soft-cap, sliding window, sinks) against a direct NumPy computation
+of each formula on random Q/K, and the metrics' meaning under them (attn_otel.attention's docstring)."""
+
+import math
+
+import attn_otel
+
+import numpy as np
+import pytest
+import torch
+
+from attn_otel.attention import METRICS, attention_maps, attention_metrics
+from attn_otel.tap import LayerSpec
+
+HQ, HKV, D = 4, 2, 32
+SCALE = 3 / math.sqrt(D)  # peaky logits, so that a soft-cap of 5 bites
+
+
+def qk(T: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn((T, HQ, D), generator=g).to(torch.bfloat16),
+            torch.randn((T, HKV, D), generator=g).to(torch.bfloat16))
+
+
+def numpy_maps(q, k, scale, soft_cap=0.0, window=0, sinks=None):
+    """p_ij = exp(l_ij) / (exp(s_h) + sum_{visible j} exp(l_ij)), l = cap * tanh(q.k * scale / cap)."""
+    qn, kn = q.double().numpy(), k.double().numpy()
+    T = qn.shape[0]
+    kv_of = np.arange(HQ) // (HQ // HKV)
+    logits = np.einsum("ihd,jhd->hij", qn, kn[:, kv_of]) * scale
+    if soft_cap:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+    i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+    visible = (j <= i) & ((i - j < window) if window else True)
+    out = np.zeros_like(logits)
+    for h in range(HQ):
+        for r in range(T):
+            l = logits[h, r, visible[r]]
+            m = l.max() if sinks is None else max(l.max(), sinks[h])
+            e = np.exp(l - m)
+            den = e.sum() + (0.0 if sinks is None else np.exp(sinks[h] - m))
+            out[h, r, visible[r]] = e / den
+    return out
+
+
+SINKS = np.array([0.5, 3.0, -1.0, 6.0])
+CASES = {
+    "softcap": dict(soft_cap=5.0),
+    "window": dict(window=16),
+    "sinks": dict(sinks=SINKS),
+    "all": dict(soft_cap=5.0, window=16, sinks=SINKS),
+}
+
+
+def torch_terms(terms):
+    t = dict(terms)
+    if "sinks" in t:
+        t["sinks"] = torch.tensor(t["sinks"], dtype=torch.float32)
+    return t
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASES.keys())
+@pytest.mark.parametrize("T", [5, 80, 130])
+def test_maps_apply_the_terms_as_the_formula_says(case, T):
+    q, k = qk(T)
+    want = numpy_maps(q, k, SCALE, **CASES[case])
+    got = attention_maps(q, k, SCALE, rows=64, **torch_terms(CASES[case])).double().numpy()
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
+    if "sinks" in CASES[case]:
+        assert got.sum(-1).max() <= 1 + 1e-6 and got.sum(-1).min() < 0.9  # the sink takes its share
+    else:
+        np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+
+
+def numpy_metrics(maps, N, W, k=4):
+    """The metrics by hand under a window W (0: none), per the docstring of attention_metrics."""
+    H, T, _ = maps.shape
+    out = {m: np.full((H, T), np.nan) for m in METRICS}
+    for i in range(T):
+        lo = max(0, i - W + 1) if W else 0
+        n = i + 1 - lo
+        p = maps[:, i]
+        ent = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0).sum(-1)
+        out["entropy"][:, i] = ent
+        if n > 1:
+            out["entropy_norm"][:, i] = ent / math.log(n)
+        if i >= k and lo == 0:
+            out["sink_mass_first"][:, i] = p[:, 0]
+        if i >= k and lo < k:
+            out["sink_mass_k"][:, i] = p[:, :k].sum(-1)
+        if i >= N and N - lo > 0:
+            ctx = p[:, lo:N].sum(-1) / (N - lo)
+            new = p[:, max(lo, N):i + 1].sum(-1) / (i + 1 - max(lo, N))
+            out["lookback_ratio"][:, i] = ctx / (ctx + new)
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASES.keys())
+def test_metrics_under_the_terms(case):
+    T, N = 100, 60
+    q, k = qk(T, seed=1)
+    terms = CASES[case]
+    maps = numpy_maps(q, k, SCALE, **terms)
+    want = numpy_metrics(maps, N, terms.get("window", 0))
+    got = attention_metrics(q, k, SCALE, N, rows=64, **torch_terms(terms)).numpy()
+    for mi, name in enumerate(METRICS[:4] + METRICS[6:]):
+        g = got[METRICS.index(name)]
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(want[name]), err_msg=name)
+        np.testing.assert_allclose(g, want[name], atol=2e-5, rtol=0, equal_nan=True, err_msg=name)
+
+
+def test_windowed_rows_far_from_the_start_have_no_sink_mass_and_lookback_only_while_the_prompt_is_visible():
+    T, N, W = 80, 40, 16
+    got = attention_metrics(*qk(T), SCALE, N, window=W).numpy()
+    first, k_mass, lookback = (got[METRICS.index(m)] for m in ("sink_mass_first", "sink_mass_k", "lookback_ratio"))
+    assert np.isfinite(first[:, 4:W]).all() and np.isnan(first[:, W:]).all()
+    assert np.isfinite(k_mass[:, 4:W + 3]).all() and np.isnan(k_mass[:, W + 3:]).all()
+    assert np.isfinite(lookback[:, N:N + W - 1]).all() and np.isnan(lookback[:, N + W - 1:]).all()
+
+
+def test_vision_share_counts_visible_image_keys_only():
+    T, W = 60, 8
+    q, k = qk(T)
+    vm = torch.zeros(T, dtype=torch.bool)
+    vm[2:10] = True
+    got = attention_metrics(q, k, SCALE, T, vision_mask=vm, window=W).numpy()
+    maps = numpy_maps(q, k, SCALE, window=W)
+    share = got[METRICS.index("vision_share")]
+    norm = got[METRICS.index("vision_share_norm")]
+    for i in range(T):
+        lo = max(0, i - W + 1)
+        cnt = int(vm[lo:i + 1].sum())
+        if cnt == 0:
+            assert np.isnan(share[:, i]).all() and np.isnan(norm[:, i]).all()
+        else:
+            want = maps[:, i, 2:10].sum(-1)
+            np.testing.assert_allclose(share[:, i], want, atol=2e-6)
+            np.testing.assert_allclose(norm[:, i], want / (cnt / (i + 1 - lo)), atol=2e-5)
+
+
+def test_a_layer_spec_is_plain_only_without_terms_and_stays_hashable():
+    base = dict(index=0, name="l0", num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=SCALE)
+    assert LayerSpec(**base).plain
+    for extra in (dict(soft_cap=30.0), dict(window=16), dict(sinks=(0.0,) * HQ)):
+        spec = LayerSpec(**base, **extra)
+        assert not spec.plain
+        hash(spec)
+    t = LayerSpec(**base, sinks=(1.0, 2.0, 3.0, 4.0)).terms("cpu")
+    assert t["sinks"].tolist() == [1.0, 2.0, 3.0, 4.0] and t["window"] == 0 and t["soft_cap"] == 0.0
+
+
+# --- which slots index a windowed layer's tap (vllm_adapter._window_groups; no engine) -----------------
+
+class _Spec:
+    def __init__(self, block_size):
+        self.block_size = block_size
+
+
+class FullAttentionSpec(_Spec):
+    pass
+
+
+class SlidingWindowSpec(_Spec):
+    pass
+
+
+class _Group:
+    def __init__(self, spec, names):
+        self.kv_cache_spec, self.layer_names = spec, names
+
+
+class _Config:
+    def __init__(self, *groups):
+        self.kv_cache_groups = list(groups)
+
+
+def _spec(i, group, window):
+    return LayerSpec(index=i, name=f"model.layers.{i}.attn", num_heads=HQ, num_kv_heads=HKV, head_dim=D,
+                     scale=SCALE, group=group, window=window)
+
+
+def test_windowed_layers_of_a_hybrid_model_tap_by_the_full_attention_groups_slots():
+    from attn_otel.vllm_adapter import _window_groups
+
+    cfg = _Config(_Group(SlidingWindowSpec(16), ["model.layers.0.attn", "model.layers.2.attn"]),
+                  _Group(FullAttentionSpec(16), ["model.layers.1.attn", "model.layers.3.attn"]))
+    specs = [_spec(0, 0, 16), _spec(1, 1, 0), _spec(2, 0, 16), _spec(3, 1, 0)]
+    kept, refused = _window_groups(specs, cfg)
+    assert not refused
+    assert [(s.group, s.slots_from) for s in kept] == [(1, "model.layers.1.attn"), (1, ""),
+                                                        (1, "model.layers.1.attn"), (1, "")]
+
+
+def test_windowed_layers_in_a_full_attention_group_keep_their_own_slots():
+    from attn_otel.vllm_adapter import _window_groups
+
+    # the hybrid KV-cache manager off: vLLM promotes window layers to full attention (no block is freed)
+    cfg = _Config(_Group(FullAttentionSpec(16), [f"model.layers.{i}.attn" for i in range(2)]))
+    kept, refused = _window_groups([_spec(0, 0, 16), _spec(1, 0, 0)], cfg)
+    assert not refused and [s.slots_from for s in kept] == ["", ""]
+
+
+def test_a_window_without_a_full_attention_group_is_refused_by_name():
+    from attn_otel.vllm_adapter import _window_groups
+
+    cfg = _Config(_Group(SlidingWindowSpec(16), [f"model.layers.{i}.attn" for i in range(2)]))
+    kept, refused = _window_groups([_spec(0, 0, 16), _spec(1, 0, 16)], cfg)
+    assert kept == []
+    assert refused == [f"model.layers.{i}.attn (sliding window without a full-attention KV-cache group "
+                       "(blocks freed out of the window))" for i in range(2)]
+
+
+def test_the_window_is_read_in_each_backends_convention():
+    from types import SimpleNamespace as NS
+
+    from attn_otel.vllm_adapter import _refusal, _terms, _window
+
+    assert _window(NS(sliding_window=16)) == 16  # CPU_ATTN: W as given
+    assert _window(NS(sliding_window=(15, 0))) == 16  # FLASH_ATTN & co: (W - 1, 0)
+    assert _window(NS(sliding_window=-1)) == 0 and _window(NS(sliding_window=(-1, -1))) == 0
+    assert _window(NS(sliding_window=None)) == 0
+    assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=(15, 3), alibi_slopes=None))) is not None
+    assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=None, alibi_slopes=None),
+                       attention_chunk_size=8192)) == "chunked local attention (8192)"
+    assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=16, alibi_slopes=None, sinks=None,
+                               logits_soft_cap=30.0))) is None  # captured now, with its terms
+    impl = NS(num_heads=4, logits_soft_cap=30.0, sliding_window=-1, sinks=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert _terms(impl) == dict(soft_cap=30.0, window=0, sinks=(1.0, 2.0, 3.0, 4.0))
+
+
+# --- routing: layers with terms never take the Triton paths (capture engine, no vLLM) --------------------
+
+def _capture_engine(tmp_path, **cfg):
+    from attn_otel.capture import CaptureEngine
+    from attn_otel.config import Config
+
+    plain = LayerSpec(index=0, name="l0", num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=SCALE)
+    variant = LayerSpec(index=1, name="l1", num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=SCALE,
+                        soft_cap=5.0, window=16, sinks=tuple(SINKS.tolist()))
+    cfg.setdefault("row_metrics", "all")
+    eng = CaptureEngine(Config(store=str(tmp_path / "store"), **cfg), [plain, variant], 256,
+                        torch.float32, "cpu")
+    g = torch.Generator().manual_seed(3)
+    for i in (0, 1):
+        eng.tap.write(i, torch.randn(200, HQ * D, generator=g), torch.randn(200, HKV * D, generator=g),
+                      torch.arange(200))
+    return eng
+
+
+def _finished(T, layers="all", mode="metrics"):
+    from attn_otel.ids import new_span_id, new_trace_id
+    from attn_otel.tracking import FinishedRequest
+
+    trace = new_trace_id()
+    extra = {"attn_otel": mode, "attn_otel_layers": layers, "traceparent": f"00-{trace}-{new_span_id()}-01"}
+    return trace, FinishedRequest(f"r{T}-{layers}", list(range(T - 2)), [7, 8], T, [list(range(16))], [16], extra)
+
+
+def test_captures_with_a_variant_layer_skip_the_gpu_batched_path(tmp_path):
+    eng = _capture_engine(tmp_path, row_metrics="maps")  # metrics-only rows summarised where they are
+    eng._fused, eng.planner.summarised_on_device = True, True  # as on a GPU with Triton
+    batched, computed = [], []
+    eng.batched.admit = lambda plan: True
+    eng.batched.run = lambda batch: batched.extend(batch)
+    eng.compute.submit = lambda plan: computed.append(plan)
+    eng.on_finished_many([_finished(50, "0")[1], _finished(60, "all")[1], _finished(70, "1")[1]])
+    assert [p.T for p in batched] == [50] and batched[0].plain and batched[0].summarised
+    assert [p.T for p in computed] == [60, 70]
+    assert not any(p.plain or p.summarised for p in computed)  # per-row metrics through the torch path
+    eng.close()
+
+
+def test_the_compute_thread_applies_a_variant_layers_terms(tmp_path):
+    eng = _capture_engine(tmp_path)
+    trace, req = _finished(100, "all", mode="maps")
+    eng.on_finished(req)
+    assert eng.flush(60)
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    q, k = eng.tap.q[1][:100], eng.tap.k[1][:100]
+    terms = dict(soft_cap=5.0, window=16, sinks=torch.tensor(SINKS, dtype=torch.float32))
+    want_maps = attention_maps(q, k, SCALE, **terms).numpy()
+    np.testing.assert_allclose(cap.maps()[1], want_maps, atol=1e-3)  # stored in float16
+    want = attention_metrics(q, k, SCALE, 98, **terms).numpy()
+    for mi, name in enumerate(METRICS):
+        if name not in cap.metrics:  # vision share: text only
+            continue
+        np.testing.assert_allclose(cap.metrics[name][1], want[mi], atol=1e-5, equal_nan=True, err_msg=name)
+    assert np.isnan(cap.metrics["sink_mass_first"][1][:, 16:]).all()  # the window layer
+    assert np.isfinite(cap.metrics["sink_mass_first"][0][:, 16:]).all()  # the plain one
+    eng.close()

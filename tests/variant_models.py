@@ -1,0 +1,51 @@
+"""Tiny random-weight models whose attention has the terms of today's production models (issue 21), saved
+as Hugging Face folders that vLLM's CPU build serves: Gemma 2 (alternating sliding window, logit
+soft-capping, query_pre_attn_scalar != head_dim) and gpt-oss (learned attention sinks, alternating sliding
+window, MoE).  No tokenizer: requests go in as token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+WINDOW = 16
+VOCAB = 512
+
+
+def _save(model, path: Path) -> str:
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(str(path))
+    return str(path)
+
+
+def build_gemma2(path: Path, all_window: bool = False) -> str:
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=48,
+                       sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                       max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0)
+    cfg.layer_types = ["sliding_attention" if i % 2 == 0 or all_window else "full_attention" for i in range(4)]
+    model = Gemma2ForCausalLM(cfg)
+    return _save(model, path)
+
+
+def build_gptoss(path: Path) -> str:
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                       num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=1024,
+                       initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(2)]
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():  # sinks of a visible size: some heads keep much of their mass in the sink
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.tensor([0.0, 2.0, 4.0, -2.0]))
+    return _save(model, path)

@@ -1,0 +1,74 @@
+"""Serve one of tests/variant_models.py's models with vLLM's CPU build and attn-otel, and write what the
+test compares: ``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS]``.
+
+Serving as in production: prefix caching on (the second wave shares a long prefix with the first
+request), chunked prefill with a small step (max_num_batched_tokens=32, prompts of 50-200 tokens), and
+concurrent requests in a KV cache of few blocks, so that blocks the window layers' group frees are given
+to other requests while the first ones still run."""
+
+import json
+import logging
+import os
+import sys
+
+
+def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
+    os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_LAYERS": "all",
+                       "ATTN_OTEL_MAP_LAYERS": "all", "ATTN_OTEL_MAPS_SAMPLE": "0",
+                       "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "VLLM_CPU_KVCACHE_SPACE": "1"})
+    logging.basicConfig()
+    logging.getLogger("attn_otel").setLevel(logging.INFO)
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    from attn_otel import vllm_adapter
+    from attn_otel.ids import new_span_id, new_trace_id
+
+    llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=32,
+              max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=16,
+              num_gpu_blocks_override=num_blocks)
+    rng = np.random.default_rng(0)
+
+    def ids(n):
+        return [int(x) for x in rng.integers(3, 500, size=n)]
+
+    def params(trace, n):
+        return SamplingParams(max_tokens=n, temperature=0.0, detokenize=False,
+                              extra_args={"attn_otel": "maps", "traceparent": f"00-{trace}-{new_span_id()}-01"})
+
+    shared = ids(96)
+    waves = [[shared + ids(16)], [shared + ids(8 + 5 * i) if i % 2 else ids(50 + 19 * i) for i in range(8)]]
+    results = []
+    for prompts in waves:
+        traces = [new_trace_id() for _ in prompts]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [params(t, 3 + i % 4) for i, t in enumerate(traces)], use_tqdm=False)
+        for t, o in zip(traces, outs):
+            results.append({"trace_id": t, "prompt": list(o.prompt_token_ids),
+                            "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)})
+    llm.llm_engine.step()
+    kvm = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    groups = [type(g.kv_cache_spec).__name__ for g in kvm.kv_cache_config.kv_cache_groups]
+    if not vllm_adapter.engines():  # every layer refused: capture is off, the model still served
+        with open(out_json, "w") as f:
+            json.dump({"requests": results, "kv_groups": groups, "captured": 0}, f)
+        return
+    (engine,) = vllm_adapter.engines()
+    assert engine.flush(120), "captures not written within 120 s"
+    specs = [{"index": s.index, "window": s.window, "soft_cap": s.soft_cap, "sinks": s.sinks,
+              "scale": s.scale, "group": s.group, "slots_from": s.slots_from} for s in engine.layers]
+    kv = llm.llm_engine.vllm_config.cache_config
+    stats = engine.stats_snapshot()
+    with open(out_json, "w") as f:
+        json.dump({"requests": results, "layers": specs, "kv_groups": groups, "num_blocks": kv.num_gpu_blocks,
+                   "captured": stats["captured"], "dropped": stats["dropped"]}, f)
+
+
+if __name__ == "__main__":
+    if "--own-slots" in sys.argv:  # the control: windowed layers tapped by their own group's (freed) slots
+        sys.argv.remove("--own-slots")
+        from attn_otel import vllm_adapter
+
+        vllm_adapter._window_groups = lambda specs, kv_cache_config: (specs, [])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64)
