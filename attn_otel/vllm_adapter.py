@@ -16,9 +16,10 @@ methods (no vLLM source is modified):
   overwrite their freed blocks; then the step's new and scheduled requests are recorded (blocks, and how
   many tokens have been through the model).
 
-Layers whose attention attn-otel cannot reproduce exactly (MLA, sliding window, soft-capping, ALiBi,
-attention sinks, encoder or cross attention, KV sharing) are refused by name with one log line; the rest
-of the model is still captured.
+A layer's own attention terms (scale, logit soft-capping, sliding window, learned sinks) are read here
+into its ``LayerSpec``; layers attn-otel cannot reproduce exactly (MLA, ALiBi, chunked local attention,
+encoder or cross attention, KV sharing, a window with no full-attention KV-cache group to tap it by) are
+refused by name with one log line; the rest of the model is still captured (docs/support.md).
 """
 
 from __future__ import annotations
