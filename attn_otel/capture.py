@@ -3,7 +3,8 @@ feeds it tensors and request views, so it is tested without an engine as well as
 
 Data goes one way::
 
-    device capture        tap.QKTap (map layers), stream.MetricsStream (streamed layers), written in-graph
+    device capture        stream.MetricsStream (plain layers), tap.MapTap (their queries, for the requests
+                          planned for maps), tap.QKTap (layers with terms the stream lacks), written in-graph
     -> finish             plan.Planner decides each finished request's capture, then either
                           finish.BatchedMetrics (GPU, metrics only: a few launches on the engine loop) or
                           compute.ComputeThread (maps, and the CPU: a thread of its own)
@@ -32,7 +33,7 @@ from .hostmem import SegmentPool
 from .plan import Planner
 from .stats import Stats, WarnOnce, write_stats_file
 from .stream import MetricsStream, Side
-from .tap import LayerSpec, QKTap, capture_bytes_per_token
+from .tap import LayerSpec, MapTap, QKTap, capture_bytes_per_token
 from .tracking import FinishedRequest, Parallel
 from .writer_proc import os_thread_name
 from .writers import WriterPool
@@ -46,7 +47,7 @@ class CaptureEngine:
     def __init__(self, config: Config, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype,
                  device, model: str = "", engine_version: str = "", attrs: dict[str, Any] | None = None,
                  parallel: Parallel | None = None, stream: MetricsStream | None = None,
-                 map_layers: Sequence[int] | None = None):
+                 map_layers: Sequence[int] | None = None, map_tap_rows: int = 0):
         self.config = config
         self.layers = list(layers)
         self.layer_ids = tuple(s.index for s in self.layers)
@@ -64,6 +65,10 @@ class CaptureEngine:
         if map_layers is None:  # no streamed layer: every captured layer (of every stage) has maps
             map_layers = parallel.capture_layers if parallel is not None else [s.index for s in tapped]
         self.map_layers = tuple(map_layers)
+        # The streamed map layers keep queries only for the requests planned for maps (attn_otel.arrival).
+        mapped = [s for s in stream.layers if s.index in self.map_layers] if stream is not None else []
+        self.maptap = (MapTap(mapped, num_slots, map_tap_rows or 2 * config.max_map_tokens, dtype, device,
+                              stream.block_size, stream.group, self.side) if mapped else None)
         self.fused_kv_layers = 0  # layers whose K/V write to vLLM's cache shares the Q write's launch (adapter)
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
         self._fused = triton_metrics.available(self.device)
@@ -76,11 +81,11 @@ class CaptureEngine:
         self.device_budget = ByteBudget(config.device_queue_bytes, first_always=True)
         self.planner = Planner(config, self.layers, self.map_layers, self.handoff, self.stats, self.warn_once,
                                stream, parallel, summarised_on_device=self._fused, model=model,
-                               engine_version=engine_version, attrs=self.attrs)
+                               engine_version=engine_version, attrs=self.attrs, maptap=self.maptap)
         self.batched = BatchedMetrics(config, self.layers, self.tap, stream, self.planner, self.handoff,
                                       self.device_budget, self.stats, self.warn_once, self.device)
         self.compute = ComputeThread(config, self.tap, stream, self.planner, self.handoff, self.device_budget,
-                                     self.maps_pool, self.stats, self.warn_once, self.device)
+                                     self.maps_pool, self.stats, self.warn_once, self.device, self.maptap)
         at_exit(self.close)  # registered after the hand-off's drain, so it runs before it
         # Counters change on the engine loop, the compute thread and the writers: a timer keeps the stats
         # file at most a second behind.
@@ -128,7 +133,8 @@ class CaptureEngine:
 
     def device_bytes(self) -> int:
         """Device memory this engine holds: the Q/K tap and the stream's ring, table and metrics buffer."""
-        return self.tap.nbytes() + (self.stream.nbytes() if self.stream is not None else 0)
+        return (self.tap.nbytes() + (self.stream.nbytes() if self.stream is not None else 0)
+                + (self.maptap.nbytes() if self.maptap is not None else 0))
 
     def bytes_per_token(self) -> int:
         """Device bytes per KV-cache token (the stream's fixed-size ring not included)."""

@@ -26,8 +26,8 @@ from .plan import Plan, Planner
 from .slots import slots_of, upload
 from .stats import Stats, WarnOnce
 from .store import CaptureRecord
-from .stream import MetricsStream
-from .tap import LayerSpec, QKTap
+from .stream import MetricsStream, keys_at
+from .tap import LayerSpec, MapTap, QKTap
 from .writer_proc import os_thread_name
 
 BAND_BYTES = 64 << 20  # float32 logits of one band of query rows, all heads (GPU)
@@ -54,9 +54,10 @@ class ComputeThread:
 
     def __init__(self, config: Config, tap: QKTap, stream: MetricsStream | None, planner: Planner,
                  handoff: Handoff, device_budget: ByteBudget, maps_pool: SegmentPool, stats: Stats,
-                 warn: WarnOnce, device: torch.device):
+                 warn: WarnOnce, device: torch.device, maptap: MapTap | None = None):
         self.config = config
         self.tap = tap
+        self.maptap = maptap
         self.stream = stream
         self.streamed = frozenset(stream.pos) if stream is not None else frozenset()
         self.planner = planner
@@ -79,8 +80,8 @@ class ComputeThread:
         """Enqueue the copies of ``plan``'s rows on the engine's stream and the capture for the thread;
         drops and counts it (``device_queue_full``) when the device budget is spent."""
         gathered = sum(plan.T * (s.num_heads + s.num_kv_heads) * s.head_dim * self.tap.itemsize
-                       if s.index not in self.streamed else plan.T * len(METRICS) * s.num_heads * 2
-                       for s in plan.layers)
+                       if s.index not in self.streamed or self._mapped(plan, s)
+                       else plan.T * len(METRICS) * s.num_heads * 2 for s in plan.layers)
         if not self.device_budget.reserve(gathered):
             self.handoff.release(plan.nbytes)
             self.stats.add("dropped", reason="device_queue_full")
@@ -97,6 +98,10 @@ class ComputeThread:
         pending.t_finish = plan.t0
         self._q.put_nowait(pending)
 
+    def _mapped(self, plan: Plan, spec: LayerSpec) -> bool:
+        """A maps capture's streamed layer whose queries the map tap kept."""
+        return plan.want_maps and self.maptap is not None and spec.index in self.maptap.layers
+
     def _slots(self, plan: Plan, group: int) -> torch.Tensor:
         a = slots_of(plan.req.block_ids[group], int(plan.req.block_sizes[group]), 0, plan.T)
         return upload(a, self.device)
@@ -107,10 +112,16 @@ class ComputeThread:
         slots_by_group: dict[int, torch.Tensor] = {}
         qk: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         streamed = None
+        map_rows = None
         for spec in plan.layers:
             if spec.group not in slots_by_group:
                 slots_by_group[spec.group] = self._slots(plan, spec.group)
-            if spec.index in self.streamed:
+            if self._mapped(plan, spec):  # queries from the map tap, keys where the stream reads them
+                if map_rows is None:
+                    map_rows = self.maptap.rows_of(plan.req.request_id, plan.T)
+                qk.append((self.maptap.gather(spec.index, map_rows),
+                           keys_at(self.stream.keys[spec.index], slots_by_group[spec.group], self.tap.dtype)))
+            elif spec.index in self.streamed:
                 qk.append(None)
                 if streamed is None:
                     streamed = self.stream.gather(slots_by_group[spec.group])  # [streamed layers, T, 7, H]

@@ -46,6 +46,13 @@ ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
 """Fraction in [0, 1] of traces whose full maps are stored (decided per trace id, so every request of a
 trace agrees).  Metrics are computed for every captured request.  Default 0.01."""
 
+ATTN_OTEL_MAP_TAP_TOKENS = "ATTN_OTEL_MAP_TAP_TOKENS"
+"""Rows of the map tap: how many tokens of the requests planned for maps (all of them at once) keep their
+queries on the device, on every streamed map layer.  ``0`` (default): twice ``ATTN_OTEL_MAX_MAP_TOKENS``.
+A fixed size, taken from the KV-cache budget at start (``rows * num_q_heads * head_dim * dtype_bytes`` per
+map layer); a planned request that finds no free rows is captured without maps and counted
+(``skipped{reason="map_rows_missing"}``)."""
+
 ATTN_OTEL_MAX_MAP_TOKENS = "ATTN_OTEL_MAX_MAP_TOKENS"
 """Requests longer than this many tokens get metrics but no maps (a counted ``map_too_long`` skip): a map
 is ``layers * heads * T * T * 2`` bytes.  Default 8192."""
@@ -187,6 +194,7 @@ class Config:
     stream_rows: int = 0
     maps_sample: float = 0.01
     max_map_tokens: int = 8192
+    map_tap_tokens: int = 0
     queue_bytes: int = 1 << 30
     device_queue_bytes: int = 2 << 30
     store_tokens: bool = True
@@ -215,6 +223,7 @@ class Config:
         values["stream_rows"] = _number(env, ATTN_OTEL_STREAM_ROWS, d.stream_rows, int, 0, 1 << 24)
         values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
         values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)
+        values["map_tap_tokens"] = _number(env, ATTN_OTEL_MAP_TAP_TOKENS, d.map_tap_tokens, int, 0, None)
         values["queue_bytes"] = _number(env, ATTN_OTEL_QUEUE_BYTES, d.queue_bytes, int, 1, None)
         values["device_queue_bytes"] = _number(env, ATTN_OTEL_DEVICE_QUEUE_BYTES, d.device_queue_bytes, int, 1,
                                                None)

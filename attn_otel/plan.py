@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from . import arrival
 from .attention import METRICS
 from .config import Config, RequestOptions, parse_request_options
 from .handoff import Handoff
@@ -20,7 +21,7 @@ from .ids import (derived_span_id, derived_trace_id, maps_sampled, new_span_id, 
 from .stats import Stats, WarnOnce
 from .store import CaptureRecord
 from .stream import MetricsStream
-from .tap import LayerSpec
+from .tap import LayerSpec, MapTap
 from .tracking import FinishedRequest, Parallel
 
 
@@ -53,8 +54,9 @@ class Planner:
     def __init__(self, config: Config, layers: Sequence[LayerSpec], map_layers: Sequence[int], handoff: Handoff,
                  stats: Stats, warn: WarnOnce, stream: MetricsStream | None = None,
                  parallel: Parallel | None = None, summarised_on_device: bool = False, model: str = "",
-                 engine_version: str = "", attrs: dict[str, Any] | None = None):
+                 engine_version: str = "", attrs: dict[str, Any] | None = None, maptap: MapTap | None = None):
         self.config = config
+        self.maptap = maptap  # queries of the streamed map layers, kept for the requests planned for maps
         self.layers = list(layers)
         self.layer_ids = tuple(s.index for s in self.layers)
         self.map_layers = tuple(map_layers)
@@ -99,7 +101,10 @@ class Planner:
             self.warn("stream_lost", "a step had more tokens than ATTN_OTEL_STREAM_ROWS; the streamed layers "
                       "of its requests were not computed, their captures are dropped and counted")
             return None
-        if par is not None and par.id_seed:
+        planned_id, planned_maps = arrival.planned(req.extra_args)  # decided in the scheduler (attn_otel.arrival)
+        if planned_id is not None:
+            trace_id, parent = planned_id, None
+        elif par is not None and par.id_seed:
             trace_id, parent = derived_trace_id(par.id_seed, req.request_id), None
         else:
             trace_id, parent = new_trace_id(), None
@@ -107,9 +112,19 @@ class Planner:
         if opts.traceparent:
             trace_id, parent = parse_traceparent(opts.traceparent)  # type: ignore[misc]
             sampled = traceparent_sampled(opts.traceparent)
-        want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))
+        if planned_maps is not None:
+            want_maps = planned_maps
+        else:
+            want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))
         if want_maps and T > self.config.max_map_tokens:
             self.stats.add("skipped", reason="map_too_long")
+            want_maps = False
+        if want_maps and self.maptap is not None and not self.maptap.complete(req.request_id, T):
+            # its queries were not all kept: a prefix-cache hit (no arrival decision), or the map tap was full
+            self.stats.add("skipped", reason="map_rows_missing")
+            self.warn("map_rows_missing", "request %s: not every query of it is in the map tap (a prefix-cache "
+                      "hit the scheduler did not prevent, or ATTN_OTEL_MAP_TAP_TOKENS full); capturing metrics",
+                      req.request_id)
             want_maps = False
         mapped = tuple(x for x in wanted if x in self.map_layers)
         if want_maps and mapped != tuple(wanted):  # a maps capture covers the map layers (streamed ones keep no Q)

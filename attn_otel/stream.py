@@ -481,6 +481,16 @@ class MetricsStream:
         return self.metrics.index_select(1, slots)
 
 
+def keys_at(keys: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[n, Hkv, D]`` keys at these slots of a ``[blocks, block_size, Hkv, D]`` key source (a stream's
+    ``keys[layer]``) as the attention read them: an fp8 cache's own values, exactly, in ``dtype`` (its
+    scale is in the layer's scale)."""
+    bs = keys.shape[1]
+    if keys.element_size() == 1:  # fp8: indexed as bytes, then widened (exact)
+        return keys.view(torch.uint8)[slots // bs, slots % bs].view(keys.dtype).to(dtype)
+    return keys[slots // bs, slots % bs]
+
+
 class FlushKernels:
     """The device side of a flush: the pending rows' metrics against their keys, into the per-slot buffer,
     with the Triton kernels (one launch for every layer where their key caches allow it) or, on a CPU,

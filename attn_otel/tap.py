@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from . import triton_metrics
+from .slots import slots_of, upload
 from .stream import MetricsStream
 
 
@@ -101,3 +103,145 @@ def capture_bytes_per_token(tapped: Sequence[LayerSpec], streamed: Sequence[Laye
     if streamed:
         per += MetricsStream.bytes_per_token(streamed, keys_from_cache, dtype)
     return per
+
+
+@dataclasses.dataclass
+class _Planned:
+    """A request planned for maps: its map-tap row per position (-1: none yet), the slots pointed at them."""
+
+    rows: np.ndarray
+    slots: list = dataclasses.field(default_factory=list)
+    lost: bool = False
+
+
+class MapTap:
+    """Queries of the streamed map layers, kept only for the requests planned for maps at arrival.
+
+    ``q[layer]`` is ``[rows + 1, Hq, D]`` (the last row absorbs every other token); the forward writes each
+    token's query through ``row_of_slot`` (KV-cache slot -> row, graph-safe like the stream's ring), which
+    points only the planned requests' slots at rows.  Rows are given per position as the request runs, and
+    come back when it finishes, once the finish-time gather that reads them is done.  The keys (and values)
+    stay where vLLM keeps them: the stream's key source (:class:`attn_otel.stream.MetricsStream`), read at
+    finish by the request's slots.  A request whose every position did not get a row (the tap full, or a
+    prefix-cache hit nothing prevented) is captured without maps, and counted."""
+
+    def __init__(self, layers: Sequence[LayerSpec], num_slots: int, rows: int, dtype: torch.dtype, device,
+                 block_size: int, group: int, side=None):
+        self.layers = {s.index: s for s in layers}
+        self.num_slots, self.rows = int(num_slots), int(rows)
+        self.block_size, self.group = int(block_size), int(group)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.side = side
+        self.q = {s.index: torch.zeros((self.rows + 1, s.num_heads, s.head_dim), dtype=dtype, device=device)
+                  for s in layers}
+        self.row_of_slot = torch.full((self.num_slots + 1,), self.rows, dtype=torch.int64, device=device)
+        self._free = list(range(self.rows - 1, -1, -1))
+        self._inflight: list[tuple[int, list[int]]] = []  # rows a finish-time gather still reads
+        self._reqs: dict[str, _Planned] = {}
+        self.lost = 0  # requests that could not keep every query
+
+    @staticmethod
+    def nbytes_for(layers: Sequence[LayerSpec], rows: int, num_slots: int, dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        return sum((rows + 1) * s.num_heads * s.head_dim * size for s in layers) + 8 * (num_slots + 1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.q.values(), self.row_of_slot))
+
+    def write(self, layer: int, query: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """In the forward (graph-safe): this step's queries of ``layer``, the planned requests' to their rows."""
+        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots, table=self.row_of_slot)
+
+    # ------------------------------------------------------------------ engine loop, before a forward
+    def schedule(self, items: Sequence[tuple[str, Any, int, int]], planned: Callable[[Any], bool]) -> None:
+        """This step's tokens ``(request id, tracked record, first position, count)``: rows for the planned
+        requests' positions, and their slots pointed at them."""
+        slots_l, rows_l = [], []
+        for req_id, tracked, start, n in items:
+            if n <= 0 or not planned(tracked):
+                continue
+            r = self._reqs.get(req_id)
+            if r is None:
+                r = self._reqs[req_id] = _Planned(np.full(max(64, start + n), -1, dtype=np.int64))
+            if r.lost:
+                continue
+            end = start + n
+            if end > r.rows.shape[0]:
+                grown = np.full(max(end, 2 * r.rows.shape[0]), -1, dtype=np.int64)
+                grown[: r.rows.shape[0]] = r.rows
+                r.rows = grown
+            need = np.flatnonzero(r.rows[start:end] < 0)
+            if need.size > len(self._free):
+                self._reclaim(wait=True)
+            if need.size > len(self._free):
+                self._lose(req_id, r)
+                continue
+            for i in need.tolist():
+                r.rows[start + i] = self._free.pop()
+            slots = slots_of(tracked.block_ids[self.group], self.block_size, start, n)
+            r.slots.append(slots)
+            slots_l.append(slots)
+            rows_l.append(r.rows[start:end])
+        if slots_l:
+            pair = upload(np.stack([np.concatenate(slots_l), np.concatenate(rows_l)]), self.device)
+            self.row_of_slot.index_copy_(0, pair[0], pair[1])
+
+    def _lose(self, req_id: str, r: _Planned) -> None:
+        r.lost = True
+        self.lost += 1
+        self._unpoint(r)
+        self._free.extend(int(x) for x in r.rows[r.rows >= 0])
+        r.rows[:] = -1
+
+    def _unpoint(self, r: _Planned) -> None:
+        """Point the request's slots back at the padding row (on the engine's stream, before any forward
+        that could write them for another request)."""
+        if r.slots:
+            self.row_of_slot.index_fill_(0, upload(np.concatenate(r.slots), self.device), self.rows)
+            r.slots = []
+
+    def preempt(self, req_ids) -> None:
+        """Preempted requests' blocks go to others: their slots stop pointing at its rows (it keeps them;
+        recomputed positions are written again when it resumes)."""
+        for req_id in req_ids:
+            r = self._reqs.get(req_id)
+            if r is not None:
+                self._unpoint(r)
+
+    # ------------------------------------------------------------------ at finish
+    def complete(self, req_id: str, T: int) -> bool:
+        """Whether every one of the request's first ``T`` positions has its query here."""
+        r = self._reqs.get(req_id)
+        return r is not None and not r.lost and r.rows.shape[0] >= T and bool((r.rows[:T] >= 0).all())
+
+    def rows_of(self, req_id: str, T: int) -> torch.Tensor:
+        return upload(self._reqs[req_id].rows[:T], self.device)
+
+    def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.q[layer].index_select(0, rows)
+
+    def release(self, req_ids, seq: int = 0) -> None:
+        """Finished requests (after their gathers were enqueued, as work ``seq`` of the side stream): their
+        slots unpointed now, their rows free once that work is done."""
+        back: list[int] = []
+        for req_id in req_ids:
+            r = self._reqs.pop(req_id, None)
+            if r is None:
+                continue
+            self._unpoint(r)
+            back.extend(int(x) for x in r.rows[r.rows >= 0])
+        if back:
+            if seq and self.side is not None:
+                self._inflight.append((seq, back))
+            else:
+                self._free.extend(back)
+        self._reclaim()
+
+    def _reclaim(self, wait: bool = False) -> None:
+        if not self._inflight or self.side is None:
+            return
+        if wait:
+            self.side.wait(self._inflight[-1][0])
+        while self._inflight and self.side.safe(self._inflight[0][0]):
+            self._free.extend(self._inflight.pop(0)[1])

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from . import arrival
 from .store import CapturePart
 
 
@@ -34,6 +35,7 @@ class Tracked:
     block_ids: list[list[int]]
     vision_positions: np.ndarray | None
     written: int = 0
+    maps: bool = False  # planned for maps at arrival (attn_otel.arrival): the map tap keeps its queries
 
 
 class RequestTracker:
@@ -49,7 +51,8 @@ class RequestTracker:
     def add(self, req_id: str, prompt_token_ids, extra_args, block_ids, num_computed: int, num_scheduled: int,
             vision_positions=None) -> Tracked:
         t = self._reqs[req_id] = Tracked(list(prompt_token_ids or []), extra_args, [list(b) for b in block_ids],
-                                         vision_positions, int(num_computed) + int(num_scheduled))
+                                         vision_positions, int(num_computed) + int(num_scheduled),
+                                         bool(arrival.planned(extra_args)[1]))
         return t
 
     def update(self, req_id: str, new_block_ids, num_computed: int, num_scheduled: int,

@@ -50,11 +50,11 @@ if triton is not None:
         if MASKED:
             scol = tl.load(KSL + kstart0 + cols, mask=cols < T, other=0)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
-            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=(cols < T)[:, None], other=0.0)
+            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=(cols < T)[:, None], other=0.0).to(q.dtype)
         else:
             scol = tl.load(KSL + kstart0 + cols)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
-            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :])
+            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :]).to(q.dtype)  # fp8: exact
         s = tl.dot(q, tl.trans(kt))  # the logits; c > 0 scales them to base 2 in the one FMA that gives d
         if MASKED:
             s = tl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] < T), s, -1e30)
@@ -168,7 +168,7 @@ if triton is not None:
             ok = (cols < KS) & (cols < T)
             scol = tl.load(KSL + kstart0 + cols, mask=ok, other=0)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
-            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=ok[:, None], other=0.0)
+            kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             e = tl.exp2(tl.dot(q, tl.trans(kt)) * c - m_i[:, None])
             e = tl.where(ok[None, :] & (cols[None, :] <= rows[:, None]), e, 0.0)
             s0 += tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)

@@ -75,6 +75,9 @@ def _patch() -> None:
         if "determine_available_memory" in vars(cls):
             _wrap(cls, "determine_available_memory", _scale_available_memory)
             break
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _wrap(Scheduler, "add_request", _on_arrival)
     if _is_api_server():
         try:
             _patch_api_server()
@@ -82,6 +85,36 @@ def _patch() -> None:
             logger.exception("attn-otel: could not hook into vLLM's API server (no traceresponse, no "
                              "/attn-otel/metrics); capture itself is on")
     logger.info("attn-otel: capture on (vLLM hooks installed)")
+
+
+# ------------------------------------------------------------------------------ engine-core process
+_ARRIVAL_CONFIG: list = []
+
+
+def _on_arrival(orig, scheduler, request, *args, **kwargs):
+    """``Scheduler.add_request``: decide the request's trace id and maps before any of its tokens run
+    (:mod:`attn_otel.arrival`); a maps request skips reading the prefix cache.  Never raises."""
+    try:
+        from . import arrival
+        from .config import Config
+
+        if not _ARRIVAL_CONFIG:
+            _ARRIVAL_CONFIG.append(Config.from_env())
+        sp = getattr(request, "sampling_params", None)
+        if sp is not None and getattr(request, "pooling_params", None) is None:
+            extra, maps = arrival.decide(sp.extra_args, _prompt_len(request), _ARRIVAL_CONFIG[0])
+            sp.extra_args = extra
+            if maps:
+                request.skip_reading_prefix_cache = True
+    except Exception:  # noqa: BLE001 - the request is served; its capture decides at finish instead
+        logger.warning("attn-otel: could not decide request %s's capture at arrival",
+                       getattr(request, "request_id", "?"), exc_info=True)
+    return orig(scheduler, request, *args, **kwargs)
+
+
+def _prompt_len(request) -> int:
+    n = getattr(request, "num_prompt_tokens", None)
+    return int(n) if n is not None else len(getattr(request, "prompt_token_ids", None) or ())
 
 
 # ------------------------------------------------------------------------------ API-server process
@@ -251,7 +284,7 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
     by_index: dict[int, tuple[str, object]] = {}
     refused: list[str] = []
     for name, layer in attn.items():
-        why = _refusal(layer)
+        why = _refusal(layer) or _fp8_terms(layer)[1]
         if why:
             refused.append(f"{name} ({why})")
             continue
@@ -267,7 +300,7 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
         name, layer = by_index[i]
         impl = layer.impl
         specs.append(LayerSpec(index=i, name=name, num_heads=int(impl.num_heads), num_kv_heads=int(impl.num_kv_heads),
-                               head_dim=int(impl.head_size), scale=float(impl.scale),
+                               head_dim=int(impl.head_size), scale=float(impl.scale) * _fp8_terms(layer)[0],
                                group=(groups_by_layer or {}).get(name, 0), **_terms(impl)))
     if log:
         if refused:
@@ -329,7 +362,12 @@ def _cache_views(layer, spec, dtype):
     kv = getattr(layer, "kv_cache", None)
     if isinstance(kv, (list, tuple)):
         kv = kv[0] if kv else None
-    if not isinstance(kv, torch.Tensor) or kv.dtype != dtype:
+    if not isinstance(kv, torch.Tensor):
+        return None
+    cache_dtype = _kv_dtype(getattr(layer, "impl", None))
+    if cache_dtype in _FP8 and kv.element_size() == 1:  # vLLM allocates fp8 caches as bytes
+        kv = kv.view(torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
+    elif kv.dtype != dtype:
         return None
     D, hkv = spec.head_dim, spec.num_kv_heads
     if kv.dim() == 4 and kv.shape[1] == hkv and kv.shape[3] == 2 * D:  # vLLM 0.26: (blocks, Hkv, bs, K|V)
@@ -347,14 +385,43 @@ def _key_cache_view(layer, spec, dtype):
     return views[1] if views is not None else None
 
 
+_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _kv_dtype(impl) -> str:
+    return str(getattr(impl, "kv_cache_dtype", "auto") or "auto")
+
+
 def _flash_unquantised(impl) -> bool:
-    """FLASH_ATTN with an unquantised KV cache: the layouts :func:`_cache_views` knows."""
-    return type(impl).__name__ == "FlashAttentionImpl" and str(getattr(impl, "kv_cache_dtype", "auto")) == "auto"
+    """FLASH_ATTN with an unquantised KV cache: the layouts :func:`_fused_kv` writes."""
+    return type(impl).__name__ == "FlashAttentionImpl" and _kv_dtype(impl) == "auto"
+
+
+def _flash_readable(impl) -> bool:
+    """FLASH_ATTN with an unquantised or fp8 KV cache: the layouts :func:`_cache_views` reads."""
+    return type(impl).__name__ == "FlashAttentionImpl" and _kv_dtype(impl) in ("auto", *_FP8)
 
 
 def _keys_from_cache(layers: list) -> bool:
     """Whether streamed layers can read their keys from vLLM's cache (else they keep a K-only tap)."""
-    return all(_flash_unquantised(layer.impl) for layer in layers)
+    return all(_flash_readable(layer.impl) for layer in layers)
+
+
+def _fp8_terms(layer) -> tuple[float, str | None]:
+    """An fp8 KV cache's factor on the layer's scale, or a refusal.  The cache holds ``k / k_scale`` in fp8
+    (and FLASH_ATTN gets ``q / q_scale`` in fp8 too); the captures read those very values, exactly, and
+    put ``q_scale * k_scale`` into the logits' scale, as the kernel's descaling does."""
+    impl = layer.impl
+    if _kv_dtype(impl) not in _FP8:
+        return 1.0, None
+    if not _flash_readable(impl):
+        return 1.0, f"fp8 KV cache on {type(impl).__name__} (attn-otel reads fp8 keys from FLASH_ATTN's cache)"
+    if getattr(layer, "calculate_kv_scales", False):
+        return 1.0, "fp8 KV cache with scales computed at run time (calculate_kv_scales)"
+    factor = float(getattr(layer, "_k_scale_float", 1.0))
+    if getattr(layer, "query_quant", None) is not None and getattr(impl, "supports_quant_query_input", False):
+        factor *= float(getattr(layer, "_q_scale_float", 1.0))
+    return factor, None
 
 
 def _plan(runner, config, specs, layers, par=None):
@@ -370,7 +437,9 @@ def _plan(runner, config, specs, layers, par=None):
     variant = {s.index for s in specs if not s.plain}
     if variant - set(maps):
         maps = type(maps)(sorted(set(maps) | variant))
-    streamed = [s for s in specs if s.index not in maps]
+    # Every plain layer is streamed (metrics for every request while it runs); the map layers among them
+    # also keep the queries of the requests planned for maps (attn_otel.tap.MapTap).
+    streamed = [s for s in specs if s.plain]
     if streamed:
         first = streamed[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.group)
@@ -384,6 +453,10 @@ def _plan(runner, config, specs, layers, par=None):
     step = int(runner.vllm_config.scheduler_config.max_num_batched_tokens)
     rows = max(config.stream_rows or DEFAULT_ROWS, step)  # one step's tokens always fit the ring
     return maps, streamed, from_cache, rows
+
+
+def _map_tap_rows(config) -> int:
+    return int(config.map_tap_tokens or 2 * config.max_map_tokens)
 
 
 # --------------------------------------------------------------------------------- hooks
@@ -404,15 +477,21 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
         for spec in runner.get_kv_cache_spec().values():
             kv_per_token += spec.page_size_bytes / spec.block_size
         dtype = _model_dtype(runner)
-        _, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs))
+        maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs))
         tapped = [s for s in specs if s not in streamed]
         tap = capture_bytes_per_token(tapped, streamed, from_cache, dtype)
         ring = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
+        mapped = [s for s in streamed if s.index in maps]
+        if mapped:  # the map tap: a fixed number of rows (its slot table counted per token below)
+            from .tap import MapTap
+
+            ring += MapTap.nbytes_for(mapped, _map_tap_rows(config), 0, dtype)
+            tap += 8
         scaled = int(max(0, available - ring) * kv_per_token / (kv_per_token + tap))
-        logger.info("attn-otel: capture takes %d B per token beside %d B of KV cache (%d map layers, %d streamed "
-                    "with a %d-row query ring of %.2f GiB); KV budget %.2f -> %.2f GiB", tap, int(kv_per_token),
-                    len(tapped), len(streamed), rows if streamed else 0, ring / 2**30, available / 2**30,
-                    scaled / 2**30)
+        logger.info("attn-otel: capture takes %d B per token beside %d B of KV cache (%d layers with a Q/K tap, "
+                    "%d streamed with a %d-row query ring, %d of them map layers, ring and map tap %.2f GiB); KV "
+                    "budget %.2f -> %.2f GiB", tap, int(kv_per_token), len(tapped), len(streamed),
+                    rows if streamed else 0, len(mapped), ring / 2**30, available / 2**30, scaled / 2**30)
         return scaled
     except Exception:  # noqa: BLE001
         logger.exception("attn-otel: could not size the tap; leaving the KV budget unchanged")
@@ -488,7 +567,8 @@ def _install(runner, kv_cache_config) -> None:
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
     engine = CaptureEngine(config, specs, num_slots, dtype, runner.device,
                            model=str(model), engine_version=f"vllm {vllm.__version__}",
-                           attrs={"attention_impl": backend}, parallel=par, stream=stream, map_layers=maps)
+                           attrs={"attention_impl": backend}, parallel=par, stream=stream, map_layers=maps,
+                           map_tap_rows=_map_tap_rows(config))
     engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()
     runner._attn_otel = engine
@@ -538,7 +618,7 @@ def _tap_layer(engine, spec, layer) -> bool:
     slots_name = spec.slots_from or name  # a windowed layer may tap by a full-attention layer's slots
     if spec.index in engine.streamed:
         tap = engine.stream
-    q_scale = getattr(layer, "_q_scale", None)
+    maptap = engine.maptap if engine.maptap is not None and index in engine.maptap.layers else None
     fused = None
     if engine.config.kv_write == "fused" and not spec.slots_from and not (
             spec.index in engine.streamed and spec.index in tap.k_tap):
@@ -569,10 +649,12 @@ def _tap_layer(engine, spec, layer) -> bool:
                                          "captures will be wrong", slots_name, name)
                 if slot_mapping is not None:
                     q = query
-                    if q.element_size() == 1 and q_scale is not None:  # fp8-quantised query input
-                        q = q.float() * q_scale
+                    if q.element_size() == 1:  # fp8-quantised query: its values, exactly (q_scale is in
+                        q = q.to(engine.tap.dtype)  # the layer's scale, see _fp8_terms)
                     kv = (update[1], update[2], *views) if update is not None else None
                     wrote = tap.write(index, q, key, slot_mapping, kv=kv)
+                    if maptap is not None:
+                        maptap.write(index, q, slot_mapping)
             except Exception:  # noqa: BLE001
                 engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
                                  exc=True)
@@ -643,6 +725,10 @@ def _before_step(orig, runner, scheduler_output, *args, **kwargs):
     return orig(runner, scheduler_output, *args, **kwargs)
 
 
+def _planned_maps(tracked) -> bool:
+    return tracked.maps
+
+
 def _track(runner, engine, so) -> None:
     from .tracking import FinishedRequest
 
@@ -665,11 +751,14 @@ def _track(runner, engine, so) -> None:
         vision_positions=t.vision_positions, token_ids_device=device_ids)
         for (req_id, t), (outputs, device_ids) in zip(done, _output_tokens(runner, [r for r, _ in done]))]
     preempted = list(getattr(so, "preempted_req_ids", None) or ())
+    maptap = engine.maptap
     if stream is not None:
         # Before this step's forward can reuse their blocks: rows of preempted and finished requests (and of
         # any request sharing their prefix) are computed now, while their keys are still in the cache.
         stream.preempt(preempted)
         stream.finish(so.finished_req_ids)
+    if maptap is not None:
+        maptap.preempt(preempted)
     if preempted:  # their blocks go back to vLLM: a forward that writes one waits for the work reading them
         seq = side.mark()
         for req_id in preempted:
@@ -678,6 +767,8 @@ def _track(runner, engine, so) -> None:
                 side.taken_back(t.block_ids, seq)
     if finished:
         engine.on_finished_many(finished)
+    if maptap is not None and so.finished_req_ids:  # their rows, once the gathers just enqueued have read them
+        maptap.release(so.finished_req_ids, side.mark())
     if stream is not None:
         stream.forget(so.finished_req_ids)
     scheduled = so.num_scheduled_tokens
@@ -697,4 +788,6 @@ def _track(runner, engine, so) -> None:
             items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
     if stream is not None:
         stream.schedule(items)
+    if maptap is not None:
+        maptap.schedule(items, _planned_maps)
     side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads

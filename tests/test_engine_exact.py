@@ -26,23 +26,27 @@ def _check_exact(engine, out, trace_id):
 
 @pytest.fixture(scope="module")
 def long_and_prefix_hit(engine):
-    """A 600-token prompt split by chunked prefill, then a second request sharing its first 300+ tokens."""
+    """A 600-token prompt split by chunked prefill, then two requests sharing its first 300+ tokens: one
+    without maps (it reads the cached prefix), one with maps (planned at arrival: it reads no cached block,
+    so every query of it runs through the map tap)."""
     shared = prose(300, seed=1)
-    first, second = new_trace_id(), new_trace_id()
+    first, second, third = new_trace_id(), new_trace_id(), new_trace_id()
     out1 = engine.generate([shared + " " + prose(300, seed=2)], _params(first))[0]
+    out3 = engine.generate([shared + " " + prose(40, seed=6)], _params(third, attn_otel="metrics"))[0]
     out2 = engine.generate([shared + " " + prose(60, seed=5)], _params(second))[0]
-    return (out1, first), (out2, second)
+    return (out1, first), (out2, second), (out3, third)
 
 
 def test_chunked_prefill_maps_match_hf_eager(engine, long_and_prefix_hit):
-    (out, trace_id), _ = long_and_prefix_hit
+    (out, trace_id), _, _ = long_and_prefix_hit
     assert len(out.prompt_token_ids) > 2 * 256  # three prefill chunks at max_num_batched_tokens=256
     print("per-row TV:", _check_exact(engine, out, trace_id))
 
 
-def test_prefix_cache_hit_maps_match_hf_eager(engine, long_and_prefix_hit):
-    _, (out, trace_id) = long_and_prefix_hit
-    assert out.num_cached_tokens >= 200  # the hit is real: these rows' Q came from the first request
+def test_a_maps_request_behind_a_cached_prefix_recomputes_it_and_matches_hf_eager(engine, long_and_prefix_hit):
+    _, (out, trace_id), (other, _) = long_and_prefix_hit
+    assert other.num_cached_tokens >= 200  # the prefix is in the cache: a request without maps reads it
+    assert not out.num_cached_tokens  # the maps request skipped reading it (attn_otel.arrival)
     print("per-row TV:", _check_exact(engine, out, trace_id))
 
 
