@@ -15,10 +15,11 @@ import queue
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import METRICS, ROWS, attention_metrics
+from .attention import METRICS, ROWS, attention_metrics, reconstruction_error
 from .config import Config
 from .handoff import ByteBudget, Handoff, Job
 from .hostmem import SegmentPool, Staging
@@ -47,6 +48,7 @@ class Pending:
     gathered: int  # device bytes held by qk
     t_finish: float = 0.0
     streamed: torch.Tensor | None = None  # [streamed layers, T, 7, H] float16 (see attn_otel.stream)
+    checks: list | None = None  # per layer (values, v_scale, outputs) or None: ATTN_OTEL_VERIFY
 
 
 class ComputeThread:
@@ -113,6 +115,7 @@ class ComputeThread:
         qk: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         streamed = None
         map_rows = None
+        checks: list = []
         for spec in plan.layers:
             if spec.group not in slots_by_group:
                 slots_by_group[spec.group] = self._slots(plan, spec.group)
@@ -121,11 +124,14 @@ class ComputeThread:
                     map_rows = self.maptap.rows_of(plan.req.request_id, plan.T)
                 qk.append((self.maptap.gather(spec.index, map_rows),
                            keys_at(self.stream.keys[spec.index], slots_by_group[spec.group], self.tap.dtype)))
+                checks.append(self.maptap.gather_check(spec.index, map_rows, slots_by_group[spec.group], keys_at))
             elif spec.index in self.streamed:
+                checks.append(None)
                 qk.append(None)
                 if streamed is None:
                     streamed = self.stream.gather(slots_by_group[spec.group])  # [streamed layers, T, 7, H]
             else:
+                checks.append(None)
                 qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
         record, tokens_dev = self.planner.record(plan)
         ready = None
@@ -133,7 +139,7 @@ class ComputeThread:
             ready = torch.cuda.Event()
             ready.record()
         return Pending(record, plan.layers, qk, tokens_dev, ready, plan.want_maps, plan.nbytes, gathered,
-                       streamed=streamed)
+                       streamed=streamed, checks=checks if any(c is not None for c in checks) else None)
 
     def idle(self) -> bool:
         return self._q.empty()
@@ -164,6 +170,7 @@ class ComputeThread:
             finally:
                 pending.qk = []
                 pending.streamed = None
+                pending.checks = None
                 self.device_budget.release(pending.gathered)
 
     def _compute(self, p: Pending) -> Job:
@@ -205,8 +212,13 @@ class ComputeThread:
                 for t in (*(x for pair in p.qk if pair is not None for x in pair), p.tokens_dev, p.streamed):
                     if t is not None:
                         t.record_stream(self._stream)
+                for c in p.checks or ():
+                    if c is not None:
+                        c[0].record_stream(self._stream)
+                        c[2].record_stream(self._stream)
             vision = torch.from_numpy(rec.vision_mask).to(self.device) if rec.vision_mask is not None else None
             fused = cuda and not p.want_maps and triton_metrics.available(self.device)
+            errors: list[torch.Tensor] = []
             for li, (spec, qk) in enumerate(zip(layers, p.qk)):
                 if qk is None:  # streamed: computed while the request ran
                     got = p.streamed[self.stream.pos[spec.index]]  # [T, 7, H]
@@ -226,8 +238,14 @@ class ComputeThread:
                                             maps_out=maps_dev, rows=self._rows(spec.num_heads, T),
                                             **spec.terms(self.device))
                 per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
+                if p.checks is not None and p.checks[li] is not None:
+                    errors.append(reconstruction_error(maps_dev, *p.checks[li]))
                 if p.want_maps and cuda:
                     self.staging.copy(maps_dev, maps_host[li, : spec.num_heads], self._stream)
+            if errors:  # a sync of this thread's stream only (ATTN_OTEL_VERIFY is a check, not the hot path)
+                err = torch.cat(errors).float().cpu().numpy()
+                rec.attrs["reconstruction"] = {"median": float(np.median(err)), "p99": float(np.quantile(err, 0.99)),
+                                               "max": float(err.max()), "rows": int(err.size)}
             if p.tokens_dev is not None:
                 host = dict(pin_memory=True) if cuda else {}
                 tokens_host = torch.empty((T,), dtype=p.tokens_dev.dtype, **host)

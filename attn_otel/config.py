@@ -53,6 +53,13 @@ A fixed size, taken from the KV-cache budget at start (``rows * num_q_heads * he
 map layer); a planned request that finds no free rows is captured without maps and counted
 (``skipped{reason="map_rows_missing"}``)."""
 
+ATTN_OTEL_VERIFY = "ATTN_OTEL_VERIFY"
+"""``1``: every maps capture checks itself against what the backend computed.  The map layers also keep the
+planned requests' attention output rows (beside their queries); at finish each map layer's maps times its
+values (read back from vLLM's cache, dequantised, where attn-otel reads it: FLASH_ATTN; else the forward's
+values) must give that output back.  The relative error per row and head, ``|A V - O| / |O|``, is stored
+as the capture's ``reconstruction`` attribute (median, p99, max).  ``0`` (default): off."""
+
 ATTN_OTEL_MAX_MAP_TOKENS = "ATTN_OTEL_MAX_MAP_TOKENS"
 """Requests longer than this many tokens get metrics but no maps (a counted ``map_too_long`` skip): a map
 is ``layers * heads * T * T * 2`` bytes.  Default 8192."""
@@ -195,6 +202,7 @@ class Config:
     maps_sample: float = 0.01
     max_map_tokens: int = 8192
     map_tap_tokens: int = 0
+    verify: bool = False
     queue_bytes: int = 1 << 30
     device_queue_bytes: int = 2 << 30
     store_tokens: bool = True
@@ -224,6 +232,7 @@ class Config:
         values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
         values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)
         values["map_tap_tokens"] = _number(env, ATTN_OTEL_MAP_TAP_TOKENS, d.map_tap_tokens, int, 0, None)
+        values["verify"] = _choice(env, ATTN_OTEL_VERIFY, ("0", "1"), "0") == "1"
         values["queue_bytes"] = _number(env, ATTN_OTEL_QUEUE_BYTES, d.queue_bytes, int, 1, None)
         values["device_queue_bytes"] = _number(env, ATTN_OTEL_DEVICE_QUEUE_BYTES, d.device_queue_bytes, int, 1,
                                                None)

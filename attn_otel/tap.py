@@ -136,6 +136,11 @@ class MapTap:
         self.q = {s.index: torch.zeros((self.rows + 1, s.num_heads, s.head_dim), dtype=dtype, device=device)
                   for s in layers}
         self.row_of_slot = torch.full((self.num_slots + 1,), self.rows, dtype=torch.int64, device=device)
+        # ATTN_OTEL_VERIFY: the layer's attention output rows (and, where vLLM's cache is not read, its value
+        # rows) of the planned requests too, so that a maps capture can check maps x V against the output.
+        self.out: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}  # V rows, where no cache view is given
+        self.values: dict[int, tuple[torch.Tensor, float]] = {}  # [blocks, bs, Hkv, Dv] cache view, v_scale
         self._free = list(range(self.rows - 1, -1, -1))
         self._inflight: list[tuple[int, list[int]]] = []  # rows a finish-time gather still reads
         self._reqs: dict[str, _Planned] = {}
@@ -149,9 +154,26 @@ class MapTap:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.q.values(), self.row_of_slot))
 
-    def write(self, layer: int, query: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def verify(self, layer: int, head_dim_v: int, value_cache: tuple[torch.Tensor, float] | None) -> None:
+        """Keep ``layer``'s output rows (and its value rows unless ``value_cache`` gives vLLM's values)."""
+        s = self.layers[layer]
+        self.out[layer] = torch.zeros((self.rows + 1, s.num_heads, head_dim_v), dtype=self.dtype, device=self.device)
+        if value_cache is not None:
+            self.values[layer] = value_cache
+        else:
+            self.v[layer] = torch.zeros((self.rows + 1, s.num_kv_heads, head_dim_v), dtype=self.dtype,
+                                        device=self.device)
+
+    def write(self, layer: int, query: torch.Tensor, slot_mapping: torch.Tensor,
+              value: torch.Tensor | None = None) -> None:
         """In the forward (graph-safe): this step's queries of ``layer``, the planned requests' to their rows."""
-        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots, table=self.row_of_slot)
+        v = self.v.get(layer) if value is not None else None
+        triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots, table=self.row_of_slot,
+                                    dst2=v, src2=value if v is not None else None)
+
+    def write_out(self, layer: int, output: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """After the attention (graph-safe): its output rows of the planned requests (ATTN_OTEL_VERIFY)."""
+        triton_metrics.scatter_rows(self.out[layer], output, slot_mapping, self.num_slots, table=self.row_of_slot)
 
     # ------------------------------------------------------------------ engine loop, before a forward
     def schedule(self, items: Sequence[tuple[str, Any, int, int]], planned: Callable[[Any], bool]) -> None:
@@ -220,6 +242,19 @@ class MapTap:
 
     def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         return self.q[layer].index_select(0, rows)
+
+    def gather_check(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, keys_at) -> tuple | None:
+        """``(values [T, Hkv, Dv] as the attention read them, v_scale, outputs [T, Hq, Dv])`` of ``layer``
+        for ATTN_OTEL_VERIFY, or None where it is off."""
+        out = self.out.get(layer)
+        if out is None:
+            return None
+        if layer in self.values:
+            cache, v_scale = self.values[layer]
+            v = keys_at(cache, slots, self.dtype)
+        else:
+            v, v_scale = self.v[layer].index_select(0, rows), 1.0
+        return v, v_scale, out.index_select(0, rows)
 
     def release(self, req_ids, seq: int = 0) -> None:
         """Finished requests (after their gathers were enqueued, as work ``seq`` of the side stream): their

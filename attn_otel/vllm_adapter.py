@@ -571,6 +571,15 @@ def _install(runner, kv_cache_config) -> None:
                            map_tap_rows=_map_tap_rows(config))
     engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()
+    if config.verify and engine.maptap is not None:
+        for s in engine.maptap.layers.values():
+            layer = layers[s.name]
+            views = _cache_views(layer, s, dtype) if runner.device.type == "cuda" and _flash_readable(layer.impl) else None
+            scale = float(getattr(layer, "_v_scale_float", 1.0)) if _kv_dtype(layer.impl) in _FP8 else 1.0
+            engine.maptap.verify(s.index, int(getattr(layer, "head_size_v", s.head_dim)),
+                                 (views[2], scale) if views is not None else None)
+        logger.info("attn-otel: ATTN_OTEL_VERIFY=1: maps captures check maps x V against the attention output "
+                    "(values %s)", "read from vLLM's cache" if engine.maptap.values else "kept from the forward")
     runner._attn_otel = engine
     fused = sum(_tap_layer(engine, spec, layers[spec.name]) for spec in specs)
     engine.fused_kv_layers = fused
@@ -630,9 +639,12 @@ def _tap_layer(engine, spec, layer) -> bool:
     orig_update = impl.do_kv_cache_update if fused is not None else None
     owed: list = []  # the arguments of a do_kv_cache_update that left its write to the forward
 
+    checked = maptap is not None and index in maptap.out
+
     def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         update = owed.pop() if owed else None
         wrote = False
+        slot_mapping = None
         if attn_metadata is not None and key is not None:
             try:
                 if update is not None:
@@ -654,13 +666,21 @@ def _tap_layer(engine, spec, layer) -> bool:
                     kv = (update[1], update[2], *views) if update is not None else None
                     wrote = tap.write(index, q, key, slot_mapping, kv=kv)
                     if maptap is not None:
-                        maptap.write(index, q, slot_mapping)
+                        maptap.write(index, q, slot_mapping, value)
             except Exception:  # noqa: BLE001
                 engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
                                  exc=True)
         if update is not None and not wrote:  # vLLM's own write, before the attention reads the cache
             orig_update(*update)
-        return orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        result = orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        if checked and attn_metadata is not None and slot_mapping is not None:
+            try:  # ATTN_OTEL_VERIFY: the output as the backend computed it, for the planned requests
+                out = kwargs.get("output", args[0] if args else None)
+                out = result if out is None else out
+                maptap.write_out(index, out.view(out.shape[0], spec.num_heads, -1), slot_mapping)
+            except Exception:  # noqa: BLE001
+                engine.warn_once("verify", "keeping the attention output of %s failed", name, exc=True)
+        return result
 
     forward._attn_otel = True  # type: ignore[attr-defined]
     impl.forward = forward

@@ -59,6 +59,8 @@ def engine(tmp_path_factory, smollm2_path):
         "ATTN_OTEL_MAP_LAYERS": "all",  # maps of every layer (tests/test_engine_stream.py streams them)
         "ATTN_OTEL_MAPS_SAMPLE": "0",
         "ATTN_OTEL_ROW_METRICS": "all",  # the tests compare every capture's rows with NumPy
+        "ATTN_OTEL_MAP_TAP_TOKENS": "8192",  # of every layer: 0.3 GiB of the 1 GiB KV-cache space below
+        "ATTN_OTEL_VERIFY": "1",  # maps captures check maps x V against the attention output
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }

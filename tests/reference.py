@@ -187,3 +187,26 @@ def check_exact(store, model_path: str, out, trace_id: str, num_layers: int, num
     cal = Calibrated()
     cal.add_maps("tv", got, fp32, bf16)
     return cal.check(f"trace {trace_id} ({T} tokens)")
+
+
+# maps x V against the backend's own output (ATTN_OTEL_VERIFY): what the backend's precision allows.  The
+# output is rounded to the model dtype and the backend multiplies P by V in the KV dtype's precision (bf16,
+# or e4m3 for FA3's fp8 path), while the stored maps are float16: a unit roundoff u per dtype, and a bound of
+# RECON_FACTOR * u on the p99 and twice that on the max of |A V - O| / |O| per row and head.
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "fp8": 2.0 ** -4, "fp8_e4m3": 2.0 ** -4,
+                 "fp8_e5m2": 2.0 ** -3}
+RECON_FACTOR = 2.0
+
+
+def reconstruction_bound(model_dtype: str = "bfloat16", kv_dtype: str = "auto") -> dict[str, float]:
+    u = max(UNIT_ROUNDOFF[model_dtype], UNIT_ROUNDOFF.get(kv_dtype, 0.0))
+    return {"p99": RECON_FACTOR * u, "max": 2 * RECON_FACTOR * u}
+
+
+def check_reconstruction(cap, model_dtype: str = "bfloat16", kv_dtype: str = "auto") -> dict[str, float]:
+    """Assert the capture's ``reconstruction`` attribute (ATTN_OTEL_VERIFY) is within the bound; returns it."""
+    rec = cap.meta.get("reconstruction")
+    assert rec is not None and rec["rows"] > 0, f"capture {cap.trace_id} carries no reconstruction check"
+    bound = reconstruction_bound(model_dtype, kv_dtype)
+    assert rec["p99"] <= bound["p99"] and rec["max"] <= bound["max"], (rec, bound)
+    return {**rec, "bound": bound}

@@ -6,7 +6,7 @@ One engine, vLLM's default serving features on: prefix caching (with a hit), chu
 """
 
 import pytest
-from reference import check_exact
+from reference import check_exact, check_reconstruction
 from text import prose
 
 from attn_otel.ids import new_span_id, new_trace_id
@@ -21,7 +21,13 @@ def _params(trace_id, max_tokens=8, **extra):
 
 
 def _check_exact(engine, out, trace_id):
-    return check_exact(engine.store, engine.model_path, out, trace_id, num_layers=30, num_heads=9)
+    """Maps against HF eager fp32, and maps x V against the CPU backend's own attention output."""
+    import attn_otel
+
+    figures = check_exact(engine.store, engine.model_path, out, trace_id, num_layers=30, num_heads=9)
+    (cap,) = attn_otel.open_trace(trace_id, store=engine.store)
+    figures["reconstruction"] = check_reconstruction(cap)
+    return figures
 
 
 @pytest.fixture(scope="module")

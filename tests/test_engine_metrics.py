@@ -1,6 +1,7 @@
 """Device-computed metrics equal a plain NumPy computation from the stored maps of the same request.
 
-Real SmolLM2 through vLLM's CPU build, prompts of 300+ tokens, chunked prefill and a prefix-cache hit.
+Real SmolLM2 through vLLM's CPU build, prompts of 300+ tokens, chunked prefill and a shared prefix (which a
+maps request recomputes rather than reads from the prefix cache: attn_otel.arrival).
 Bounds are what half-precision maps allow: 2e-3 absolute for masses, shares, ratios and normalised
 entropy, 1e-2 nats for entropy.
 """
@@ -26,19 +27,19 @@ def captures(engine):
 
     shared = prose(330, seed=7)
     caps = []
-    for tail in (prose(120, seed=8), prose(40, seed=9)):  # the second hits the prefix cache
+    for tail in (prose(120, seed=8), prose(40, seed=9)):  # the second shares the first's prefix
         trace = new_trace_id()
         sp = SamplingParams(max_tokens=24, temperature=0.0,
                             extra_args={"attn_otel": "maps", "traceparent": f"00-{trace}-{new_span_id()}-01"})
         out = engine.generate([shared + " " + tail], sp)[0]
         (cap,) = attn_otel.open_trace(trace, store=engine.store)
         caps.append((out, cap))
-    assert caps[1][0].num_cached_tokens >= 200
+    assert not caps[1][0].num_cached_tokens  # planned for maps at arrival: the cached prefix is not read
     assert len(caps[0][0].prompt_token_ids) > 256  # chunked at max_num_batched_tokens=256
     return caps
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["chunked-prefill", "prefix-hit"])
+@pytest.mark.parametrize("which", [0, 1], ids=["chunked-prefill", "shared-prefix"])
 def test_per_row_metrics_equal_numpy_on_stored_maps(captures, which):
     _, cap = captures[which]
     maps = cap.maps()  # float32 from the stored float16

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from reference import check_exact, greedy_agreement
+from reference import check_exact, check_reconstruction, greedy_agreement
 
 from attn_otel.ids import new_span_id, new_trace_id
 
@@ -46,7 +46,8 @@ def gpu_model(tmp_path_factory):
 def gpu_engine(gpu_model, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
-                       "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                       "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_VERIFY": "1",
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     from vllm import LLM
 
     llm = LLM(model=gpu_model, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=256,
@@ -70,6 +71,13 @@ def _run(llm, prompts, max_tokens):
     return outs, traces
 
 
+def _greedy(max_tokens, **extra):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          extra_args={"attn_otel": "metrics", **extra})
+
+
 def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
     llm, store = gpu_engine
     cc = llm.llm_engine.vllm_config.compilation_config
@@ -81,20 +89,29 @@ def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
     hit_prompt = shared + rng.integers(10, 4000, 50).tolist()
     results = {"cudagraph_mode": str(cc.cudagraph_mode)}
     outs1, tr1 = _run(llm, [long_prompt], [16])
+    hit = llm.generate([{"prompt_token_ids": hit_prompt[:-10]}], _greedy(8), use_tqdm=False)[0]
+    assert hit.num_cached_tokens >= 200  # the shared prefix is cached (a request without maps reads it)
     outs2, tr2 = _run(llm, [hit_prompt], [16])
-    assert outs2[0].num_cached_tokens >= 200
+    assert not outs2[0].num_cached_tokens  # planned for maps at arrival: it recomputes the prefix
     concurrent = [rng.integers(10, 4000, 20 + 37 * i).tolist() for i in range(16)]
     outs3, tr3 = _run(llm, concurrent, [8 + i for i in range(16)])
     (engine,) = vllm_adapter.engines()
     results["attention_impl"] = engine.attrs["attention_impl"]
-    results["prefix_cached_tokens"] = outs2[0].num_cached_tokens
+    results["prefix_cached_tokens"] = hit.num_cached_tokens
     worst = {}  # per statistic, the request with the highest capture/drift ratio
+    recon = []
+    import attn_otel
+
     for out, t in zip(outs1 + outs2 + outs3, tr1 + tr2 + tr3):
         s = check_exact(store, gpu_model, out, t, LAYERS, HEADS, device="cuda")["tv"]
+        (cap,) = attn_otel.open_trace(t, store)
+        recon.append(check_reconstruction(cap))
         for k in ("median", "p99", "max"):
             if worst.get(k) is None or (s[k]["ratio"] or 0) > (worst[k]["ratio"] or 0):
                 worst[k] = s[k]
     results["worst_tv"] = worst
+    results["reconstruction_worst"] = {k: max(r[k] for r in recon) for k in ("median", "p99", "max")}
+    results["reconstruction_bound"] = recon[0]["bound"]
     # The layers' keys and values reach vLLM's cache in the launch that keeps the queries
     # (ATTN_OTEL_KV_WRITE=fused): the model still computes what HF computes.
     results["fused_kv_layers"] = engine.fused_kv_layers
@@ -112,8 +129,8 @@ def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
 
 
 def test_gpu_metrics_only_from_the_tap_match_hf_eager(gpu_engine, gpu_model):
-    """Metrics-only captures take the batched path (one kernel per layer, straight from the tap, on the
-    engine's stream): every request of a concurrent batch is captured and its per-row metrics equal
+    """Metrics-only captures take the batched path (their rows streamed while they ran, one gather at
+    finish, on the side stream): every request of a concurrent batch is captured and its per-row metrics equal
     NumPy's on HF eager fp32 attention, within FACTOR x HF bf16's own drift on the same rows (+ a floor)."""
     from reference import Calibrated, hf_references
     from vllm import SamplingParams
