@@ -195,12 +195,14 @@ def check_exact(store, model_path: str, out, trace_id: str, num_layers: int, num
 # RECON_FACTOR * u on the p99 and twice that on the max of |A V - O| / |O| per row and head.
 UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "fp8": 2.0 ** -4, "fp8_e4m3": 2.0 ** -4,
                  "fp8_e5m2": 2.0 ** -3}
-RECON_FACTOR = 2.0
+RECON_FACTOR = 2.0  # bf16/fp16 (measured on the CPU build and an H100: p99 about u / 3, max about u)
+RECON_FACTOR_FP8 = 1.0  # FA3's fp8 path (measured on an H100: p99 0.027, max 0.040 against u = 0.0625)
 
 
 def reconstruction_bound(model_dtype: str = "bfloat16", kv_dtype: str = "auto") -> dict[str, float]:
     u = max(UNIT_ROUNDOFF[model_dtype], UNIT_ROUNDOFF.get(kv_dtype, 0.0))
-    return {"p99": RECON_FACTOR * u, "max": 2 * RECON_FACTOR * u}
+    f = RECON_FACTOR_FP8 if kv_dtype in UNIT_ROUNDOFF else RECON_FACTOR
+    return {"p99": f * u, "max": 2 * f * u}
 
 
 def check_reconstruction(cap, model_dtype: str = "bfloat16", kv_dtype: str = "auto") -> dict[str, float]:
