@@ -67,7 +67,7 @@ class CaptureEngine:
         self.map_layers = tuple(map_layers)
         # The streamed map layers keep queries only for the requests planned for maps (attn_otel.arrival).
         mapped = [s for s in stream.layers if s.index in self.map_layers] if stream is not None else []
-        self.maptap = (MapTap(mapped, num_slots, map_tap_rows or 2 * config.max_map_tokens, dtype, device,
+        self.maptap = (MapTap(mapped, num_slots, map_tap_rows or config.max_map_tokens, dtype, device,
                               stream.block_size, stream.group, self.side) if mapped else None)
         self.fused_kv_layers = 0  # layers whose K/V write to vLLM's cache shares the Q write's launch (adapter)
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.

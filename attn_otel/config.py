@@ -48,7 +48,7 @@ trace agrees).  Metrics are computed for every captured request.  Default 0.01."
 
 ATTN_OTEL_MAP_TAP_TOKENS = "ATTN_OTEL_MAP_TAP_TOKENS"
 """Rows of the map tap: how many tokens of the requests planned for maps (all of them at once) keep their
-queries on the device, on every streamed map layer.  ``0`` (default): twice ``ATTN_OTEL_MAX_MAP_TOKENS``.
+queries on the device, on every streamed map layer.  ``0`` (default): ``ATTN_OTEL_MAX_MAP_TOKENS`` (one request of the longest length maps allow).
 A fixed size, taken from the KV-cache budget at start (``rows * num_q_heads * head_dim * dtype_bytes`` per
 map layer); a planned request that finds no free rows is captured without maps and counted
 (``skipped{reason="map_rows_missing"}``)."""

@@ -456,7 +456,7 @@ def _plan(runner, config, specs, layers, par=None):
 
 
 def _map_tap_rows(config) -> int:
-    return int(config.map_tap_tokens or 2 * config.max_map_tokens)
+    return int(config.map_tap_tokens or config.max_map_tokens)
 
 
 # --------------------------------------------------------------------------------- hooks

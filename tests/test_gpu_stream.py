@@ -48,7 +48,7 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
 
     llm, store, preempted = stream_engine
     (engine,) = vllm_adapter.engines()
-    assert engine.map_layers == (0,) and sorted(engine.streamed) == [1, 2, 3]
+    assert engine.map_layers == (0,) and sorted(engine.streamed) == [0, 1, 2, 3] and list(engine.maptap.layers) == [0]
     assert not engine.stream.k_tap, "keys should be read from FLASH_ATTN's cache"
     rng = np.random.default_rng(2)
     shared = rng.integers(10, 4000, 320).tolist()
