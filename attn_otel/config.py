@@ -288,7 +288,7 @@ class RequestOptions:
 
     mode: str | None = None  # None: the server default (metrics, maps for a sampled fraction)
     layers: tuple[int, ...] | None = None
-    traceparent: str | None = None
+    traceparent: str | None = None  # valid W3C, as OpenTelemetry's propagator writes it
     warnings: tuple[str, ...] = ()
 
 
@@ -318,11 +318,10 @@ def parse_request_options(extra_args: Mapping[str, object] | None) -> RequestOpt
     tp = extra_args.get("traceparent")
     traceparent = None
     if tp is not None:
-        from .ids import parse_traceparent
+        from .ids import canonical_traceparent
 
-        if isinstance(tp, str) and parse_traceparent(tp) is not None:
-            traceparent = tp.strip()
-        else:
+        traceparent = canonical_traceparent(tp)  # OpenTelemetry's W3C propagator, rewritten as it writes it
+        if traceparent is None:
             warnings.append(f"traceparent={_short(tp)} is not a W3C traceparent; a new trace id is made")
     return RequestOptions(mode=mode, layers=layers, traceparent=traceparent, warnings=tuple(warnings))
 

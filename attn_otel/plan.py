@@ -104,7 +104,7 @@ class Planner:
         else:
             trace_id, parent = new_trace_id(), None
         sampled = True
-        if opts.traceparent:
+        if opts.traceparent:  # valid: parse_request_options kept only what OpenTelemetry's propagator accepts
             trace_id, parent = parse_traceparent(opts.traceparent)  # type: ignore[misc]
             sampled = traceparent_sampled(opts.traceparent)
         want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))

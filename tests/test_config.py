@@ -201,11 +201,19 @@ def test_bad_request_layers_warn_and_use_the_default(layers):
     "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",  # all-zero parent id
     TRACEPARENT.encode(),
     12345,
+    TRACEPARENT.upper(),  # OpenTelemetry's propagator: lowercase hex only
+    TRACEPARENT + "-extra",  # version 00 has four fields
 ])
 def test_bad_traceparent_warns_and_is_dropped(traceparent):
     options = parse_request_options({"traceparent": traceparent})
     assert options.traceparent is None
     assert len(options.warnings) == 1 and "traceparent=" in options.warnings[0]
+
+
+def test_a_good_traceparent_is_kept_as_opentelemetry_writes_it():
+    assert parse_request_options({"traceparent": f"  {TRACEPARENT}\t"}).traceparent == TRACEPARENT
+    future = "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-more"
+    assert parse_request_options({"traceparent": future}).traceparent == TRACEPARENT[:-2] + "00"
 
 
 def test_one_bad_option_does_not_drop_the_good_ones():
