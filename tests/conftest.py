@@ -59,6 +59,7 @@ def engine(tmp_path_factory, smollm2_path):
         "ATTN_OTEL_MAP_LAYERS": "all",  # maps of every layer (tests/test_engine_stream.py streams them)
         "ATTN_OTEL_MAPS_SAMPLE": "0",
         "ATTN_OTEL_ROW_METRICS": "all",  # the tests compare every capture's rows with NumPy
+        "ATTN_OTEL_STORE_TOKENS": "1",  # the exactness tests compare the stored token ids (off by default)
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
