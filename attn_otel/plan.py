@@ -183,7 +183,8 @@ class Planner:
             prompt_len=N, num_tokens=T, layers=whole_layers, num_heads=H,
             model=self.model, engine_version=self.engine_version, mode="maps" if plan.want_maps else "metrics",
             token_ids=tokens, vision_mask=vision_np,
-            attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens},
+            attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens,
+                   **({"finish_reason": req.finish_reason} if req.finish_reason else {})},
             part=part, sampled=plan.sampled,
         )
         return record, tokens_dev
