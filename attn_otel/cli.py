@@ -187,6 +187,7 @@ def _ls_row(cap: Capture) -> dict[str, object]:
         "token_ids": bool(cap.meta.get("token_ids")),
         "model": cap.meta.get("model", ""),
         "mode": cap.meta.get("mode", ""),
+        "finish_reason": cap.finish_reason,
     }
 
 

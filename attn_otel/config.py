@@ -102,8 +102,49 @@ two; where the launch cannot be made, vLLM's write runs as before).  ``vllm``: v
 attn-otel keeps the queries in a launch of its own."""
 
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
-"""``1`` (default) stores the request's token ids with its capture (``attn-otel show`` labels axes with
-them); ``0`` stores none.  Token ids never leave the store."""
+"""Whether the request's token ids are stored with its capture (``attn-otel show`` then labels axes with
+them).  Token ids are content: by default (unset) they are stored only where OpenTelemetry's GenAI
+content-capture variable :data:`OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` asks for content;
+otherwise not.  ``1`` stores them, ``0`` never does; either wins over the OpenTelemetry variable.  A value
+that is neither is a logged warning and counts as unset.  Token ids never leave the store."""
+
+OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+"""OpenTelemetry's GenAI instrumentations' opt-in to capturing message content (prompts, completions):
+``true`` (the original boolean form), or with ``OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental``
+one of ``NO_CONTENT``, ``SPAN_ONLY``, ``EVENT_ONLY``, ``SPAN_AND_EVENT`` (opentelemetry-util-genai).
+attn-otel reads it, case-insensitively, as its default for :data:`ATTN_OTEL_STORE_TOKENS`: ``true``,
+``1``, ``SPAN_ONLY``, ``EVENT_ONLY``, ``SPAN_AND_EVENT`` (and ``span``, ``event``) store token ids;
+``false``, ``0``, ``NO_CONTENT`` do not; anything else is a logged warning and stores none."""
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_GENAI_CONTENT = _TRUE + ("span_only", "event_only", "span_and_event", "span", "event")
+_GENAI_NO_CONTENT = _FALSE + ("no_content", "")
+
+
+def store_tokens_from_env(env: Mapping[str, str]) -> bool:
+    """:data:`ATTN_OTEL_STORE_TOKENS` when it says ``1`` or ``0``; else whether
+    :data:`OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT` asks for content; else False."""
+    raw = env.get(ATTN_OTEL_STORE_TOKENS)
+    if raw is not None:
+        value = raw.strip().lower()
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1",
+              f"{OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT}'s choice, else 0")
+    raw = env.get(OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in _GENAI_CONTENT:
+        return True
+    if value not in _GENAI_NO_CONTENT:
+        _warn(OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT, raw,
+              "expected true, false or NO_CONTENT/SPAN_ONLY/EVENT_ONLY/SPAN_AND_EVENT", "no token ids")
+    return False
+
 
 ATTN_OTEL_SINK_TOKENS = "ATTN_OTEL_SINK_TOKENS"
 """k for the sink-mass metric: attention on the first k tokens (StreamingLLM).  Default 4."""
@@ -205,7 +246,7 @@ class Config:
     verify: bool = False
     queue_bytes: int = 1 << 30
     device_queue_bytes: int = 2 << 30
-    store_tokens: bool = True
+    store_tokens: bool = False
     sink_tokens: int = 4
     stats_dir: str | None = None
     writer: str = "process"
@@ -237,14 +278,7 @@ class Config:
         values["device_queue_bytes"] = _number(env, ATTN_OTEL_DEVICE_QUEUE_BYTES, d.device_queue_bytes, int, 1,
                                                None)
         values["sink_tokens"] = _number(env, ATTN_OTEL_SINK_TOKENS, d.sink_tokens, int, 1, None)
-        raw = env.get(ATTN_OTEL_STORE_TOKENS)
-        if raw is not None:
-            if raw.strip().lower() in ("1", "true", "yes", "on"):
-                values["store_tokens"] = True
-            elif raw.strip().lower() in ("0", "false", "no", "off"):
-                values["store_tokens"] = False
-            else:
-                _warn(ATTN_OTEL_STORE_TOKENS, raw, "expected 0 or 1", d.store_tokens)
+        values["store_tokens"] = store_tokens_from_env(env)
         values["stats_dir"] = env.get(ATTN_OTEL_STATS_DIR, "").strip() or None
         values["writers"] = _number(env, ATTN_OTEL_WRITERS, d.writers, int, 0, 64)
         values["writer_timeout_s"] = _number(env, ATTN_OTEL_WRITER_TIMEOUT_S, d.writer_timeout_s, float, 0.0,
@@ -306,7 +340,7 @@ class RequestOptions:
 
     mode: str | None = None  # None: the server default (metrics, maps for a sampled fraction)
     layers: tuple[int, ...] | None = None
-    traceparent: str | None = None
+    traceparent: str | None = None  # valid W3C, as OpenTelemetry's propagator writes it
     warnings: tuple[str, ...] = ()
 
 
@@ -336,11 +370,10 @@ def parse_request_options(extra_args: Mapping[str, object] | None) -> RequestOpt
     tp = extra_args.get("traceparent")
     traceparent = None
     if tp is not None:
-        from .ids import parse_traceparent
+        from .ids import canonical_traceparent
 
-        if isinstance(tp, str) and parse_traceparent(tp) is not None:
-            traceparent = tp.strip()
-        else:
+        traceparent = canonical_traceparent(tp)  # OpenTelemetry's W3C propagator, rewritten as it writes it
+        if traceparent is None:
             warnings.append(f"traceparent={_short(tp)} is not a W3C traceparent; a new trace id is made")
     return RequestOptions(mode=mode, layers=layers, traceparent=traceparent, warnings=tuple(warnings))
 

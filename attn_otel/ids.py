@@ -1,12 +1,13 @@
-"""Trace ids, W3C traceparent parsing, and the names captures are stored under."""
+"""Trace ids, W3C trace context (through OpenTelemetry's own propagator), and the names captures are
+stored under."""
 
 from __future__ import annotations
 
 import hashlib
 import re
 import secrets
+from typing import Any
 
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 _TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -15,20 +16,77 @@ class InvalidTraceId(ValueError):
     pass
 
 
-def parse_traceparent(value: str) -> tuple[str, str] | None:
-    """``(trace_id, parent_span_id)`` from a W3C traceparent, or None when it is not one."""
+_PROPAGATOR = None
+
+
+def _propagator():
+    # Imported when first needed: reading captures (the CLI, open_trace) never parses a traceparent.
+    global _PROPAGATOR
+    if _PROPAGATOR is None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        _PROPAGATOR = TraceContextTextMapPropagator()
+    return _PROPAGATOR
+
+
+def extract_span_context(carrier: Any, getter: Any = None):
+    """The remote parent ``SpanContext`` that OpenTelemetry's W3C propagator
+    (``TraceContextTextMapPropagator``) extracts from ``carrier`` (a mapping of header names to values, or
+    any carrier with a matching ``getter``), or None where it finds no valid ``traceparent``: uppercase hex,
+    an all-zero trace or span id, version ``ff``, version ``00`` with trailing fields, wrong lengths, more
+    than 512 characters.  Its ``tracestate`` comes along where the carrier has one."""
+    from opentelemetry import trace
+
+    kwargs = {} if getter is None else {"getter": getter}
+    try:
+        context = _propagator().extract(carrier, **kwargs)
+    except Exception:  # noqa: BLE001 - a foreign carrier or value: not a traceparent
+        return None
+    span_context = trace.get_current_span(context).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+def _from_value(value: object):
     if not isinstance(value, str):
         return None
-    m = _TRACEPARENT.match(value.strip().lower())
-    if not m or m.group(1) == "ff" or set(m.group(2)) == {"0"} or set(m.group(3)) == {"0"}:
+    return extract_span_context({"traceparent": value})
+
+
+def format_traceparent(span_context) -> str:
+    """The W3C ``traceparent`` of a span context as OpenTelemetry's propagator writes it: always version
+    ``00``, lowercase hex (``00-{trace_id}-{span_id}-{flags}``)."""
+    from opentelemetry import trace
+
+    carrier: dict[str, str] = {}
+    _propagator().inject(carrier, context=trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
+    return carrier["traceparent"]
+
+
+def canonical_traceparent(value: object) -> str | None:
+    """``value`` rewritten by OpenTelemetry's propagator (version ``00``, lowercase), or None when the
+    propagator rejects it."""
+    span_context = _from_value(value)
+    return None if span_context is None else format_traceparent(span_context)
+
+
+def new_traceparent(sampled: bool = True) -> str:
+    """A traceparent for a new trace (a fresh trace id and span id)."""
+    return f"00-{new_trace_id()}-{new_span_id()}-{'01' if sampled else '00'}"
+
+
+def parse_traceparent(value: object) -> tuple[str, str] | None:
+    """``(trace_id, parent_span_id)`` from a W3C traceparent, or None when OpenTelemetry's propagator does
+    not accept it (see :func:`extract_span_context`)."""
+    span_context = _from_value(value)
+    if span_context is None:
         return None
-    return m.group(2), m.group(3)
+    return f"{span_context.trace_id:032x}", f"{span_context.span_id:016x}"
 
 
-def traceparent_sampled(value: str) -> bool:
+def traceparent_sampled(value: object) -> bool:
     """The W3C ``sampled`` flag of a traceparent (True when it is not a valid one: nothing says otherwise)."""
-    m = _TRACEPARENT.match(value.strip().lower()) if isinstance(value, str) else None
-    return True if m is None else bool(int(m.group(4), 16) & 1)
+    span_context = _from_value(value)
+    return True if span_context is None else bool(span_context.trace_flags.sampled)
 
 
 def new_trace_id() -> str:

@@ -109,7 +109,7 @@ class Planner:
         else:
             trace_id, parent = new_trace_id(), None
         sampled = True
-        if opts.traceparent:
+        if opts.traceparent:  # valid: parse_request_options kept only what OpenTelemetry's propagator accepts
             trace_id, parent = parse_traceparent(opts.traceparent)  # type: ignore[misc]
             sampled = traceparent_sampled(opts.traceparent)
         if planned_maps is not None:
@@ -198,7 +198,8 @@ class Planner:
             prompt_len=N, num_tokens=T, layers=whole_layers, num_heads=H,
             model=self.model, engine_version=self.engine_version, mode="maps" if plan.want_maps else "metrics",
             token_ids=tokens, vision_mask=vision_np,
-            attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens},
+            attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens,
+                   **({"finish_reason": req.finish_reason} if req.finish_reason else {})},
             part=part, sampled=plan.sampled,
         )
         return record, tokens_dev

@@ -57,6 +57,10 @@ class Capture:
         self.layers: list[int] = [int(x) for x in meta["layers"]]
         self.num_heads: int = int(meta["num_heads"])
         self.has_maps: bool = bool(meta.get("maps"))
+        self.model: str = str(meta.get("model") or "")  # the served model name (never a local path)
+        # vLLM's finish reason (stop, length, abort, error, repetition); None for captures that predate it
+        reason = meta.get("finish_reason")
+        self.finish_reason: str | None = reason if isinstance(reason, str) else None
         # store format (see attn_otel.store.FORMAT_VERSION): a format-1 capture's lookback_ratio left the
         # query's own key out (not Lookback Lens's value); its other metrics are the same
         self.format: int = int(meta["format"])

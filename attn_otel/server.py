@@ -4,11 +4,13 @@ vLLM's OpenAI server runs in its own process; captures happen in the engine's wo
 (Starlette/FastAPI only, no vLLM import) is what attn-otel adds to the server process, installed by
 :mod:`attn_otel.vllm_adapter` when ``ATTN_OTEL=1``:
 
-- :class:`TraceContextMiddleware` (pure ASGI): takes the client's W3C ``traceparent`` header, or makes a
-  new one when the client sent none or an invalid one (and then puts it into the request's headers, so
-  vLLM's own tracing, when on, uses the same trace).  It answers every HTTP response with a
-  ``traceresponse: 00-{trace_id}-{span_id}-{flags}`` header (W3C Trace Context level 2), so a client
-  learns the trace id under which its request's capture is stored.  The value is kept in a context
+- :class:`TraceContextMiddleware` (pure ASGI): reads the client's W3C ``traceparent`` (and ``tracestate``)
+  headers through OpenTelemetry's own propagator (``TraceContextTextMapPropagator``), or makes a new trace
+  when the client sent none or one the propagator rejects (uppercase hex, an all-zero id, version ``ff``,
+  wrong lengths, ...).  The request goes on with exactly one ``traceparent`` header, as the propagator
+  writes it (version ``00``, lowercase), so vLLM's own tracing, when on, uses the same trace.  It answers
+  every HTTP response with that value as ``traceresponse: 00-{trace_id}-{span_id}-{flags}`` (W3C Trace
+  Context level 2), so a client learns the trace id under which its request's capture is stored.  The value is kept in a context
   variable for the request's duration; the adapter copies it into the request's
   ``SamplingParams.extra_args["traceparent"]`` unless the request set one itself (``vllm_xargs``).
 - :class:`EndpointPlugin`: an object of vLLM's endpoint-plugin shape that the adapter adds to the plugins
@@ -30,7 +32,7 @@ import tempfile
 from typing import Any
 
 from .config import ATTN_OTEL_STATS_DIR
-from .ids import new_span_id, new_trace_id, parse_traceparent
+from .ids import extract_span_context, format_traceparent, new_traceparent
 
 logger = logging.getLogger("attn_otel")
 
@@ -40,6 +42,23 @@ _TRACEPARENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("attn_
 def current_traceparent() -> str | None:
     """The traceparent of the HTTP request being served in this context, if any."""
     return _TRACEPARENT.get()
+
+
+class _AsgiHeaders:
+    """OpenTelemetry's ``Getter`` over an ASGI header list (``[(name, value)]`` as bytes)."""
+
+    @staticmethod
+    def get(carrier, key: str) -> list[str] | None:
+        name = key.lower().encode("latin-1")
+        values = [v.decode("latin-1") for k, v in carrier if k.lower() == name]
+        return values or None
+
+    @staticmethod
+    def keys(carrier) -> list[str]:
+        return [k.decode("latin-1") for k, _ in carrier]
+
+
+_ASGI_HEADERS = _AsgiHeaders()
 
 
 class TraceContextMiddleware:
@@ -52,15 +71,16 @@ class TraceContextMiddleware:
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
         headers = list(scope.get("headers") or [])
-        sent = next((v for k, v in headers if k == b"traceparent"), None)
-        parsed = parse_traceparent(sent.decode("latin-1")) if sent is not None else None
-        if parsed is not None:
-            traceparent = sent.decode("latin-1").strip()
-        else:
-            traceparent = f"00-{new_trace_id()}-{new_span_id()}-01"
-            headers = [(k, v) for k, v in headers if k not in (b"traceparent", b"tracestate")]
-            headers.append((b"traceparent", traceparent.encode()))
-            scope = {**scope, "headers": headers}
+        span_context = extract_span_context(headers, _ASGI_HEADERS)
+        if span_context is not None:
+            traceparent = format_traceparent(span_context)
+            drop = (b"traceparent",)
+        else:  # none, or not valid W3C: a new trace, and the client's tracestate goes with its traceparent
+            traceparent = new_traceparent()
+            drop = (b"traceparent", b"tracestate")
+        headers = [(k, v) for k, v in headers if k.lower() not in drop]
+        headers.append((b"traceparent", traceparent.encode()))
+        scope = {**scope, "headers": headers}
         response_header = (b"traceresponse", traceparent.encode())
 
         async def send_with_traceresponse(message):

@@ -6,7 +6,8 @@ Layout (``{store}`` is ``ATTN_OTEL_STORE``)::
     {store}/traces/{trace_id}/{request_key}/attn/...          float16 [layers, heads, T, T], fill 0,
                                                               chunks (1, 1, ROWS, T): one layer+head is
                                                               ceil(T/ROWS) reads, a band of rows one read
-    {store}/traces/{trace_id}/{request_key}/token_ids/...    int32 [T] (only with ATTN_OTEL_STORE_TOKENS=1)
+    {store}/traces/{trace_id}/{request_key}/token_ids/...    int32 [T] (only where asked: ATTN_OTEL_STORE_TOKENS,
+                                                              else OTel's GenAI content-capture variable)
     {store}/traces/{trace_id}/{request_key}/metrics/{name}   float32 [layers, heads, T], per query row
     {store}/traces/{trace_id}/{request_key}/vision_mask      bool [T], image-embedding positions (multimodal)
     {store}/traces/{trace_id}/{request_key}/summary          float32 [part, metric, stat, layers, heads]

@@ -4,6 +4,7 @@ capture sits.  vLLM-free: :mod:`attn_otel.vllm_adapter` feeds it plain values fr
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -11,6 +12,30 @@ import torch
 
 from . import arrival
 from .store import CapturePart
+
+
+def model_name(served: object, model: object) -> str:
+    """The name a capture records as its ``model`` (attributes, span, Prometheus label): vLLM's
+    ``served_model_name`` (the first, when it is a list), else the model as the operator gave it; a local
+    filesystem path (absolute, ``~``, ``./`` or ``../``, or one that exists here) becomes its final component
+    (``/models/SmolLM2-135M-Instruct/`` -> ``SmolLM2-135M-Instruct``), so no local path is ever exported.
+    vLLM fills ``served_model_name`` with the model string when the operator set none
+    (``--served-model-name``); a Hugging Face id such as ``HuggingFaceTB/SmolLM2-135M`` stays as it is."""
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    name = str(served or model or "").strip()
+    if name and _local_path(name):
+        name = os.path.basename(os.path.normpath(os.path.expanduser(name))) or name
+    return name
+
+
+def _local_path(name: str) -> bool:
+    if name.startswith(("/", "~", "./", "../", ".\\", "..\\")) or os.path.isabs(name):
+        return True
+    try:
+        return os.path.exists(name)
+    except (OSError, ValueError):
+        return False
 
 
 @dataclasses.dataclass
@@ -26,6 +51,7 @@ class FinishedRequest:
     extra_args: dict[str, Any] | None = None
     vision_positions: np.ndarray | None = None  # bool [>= num_tokens], True on image-embedding tokens
     token_ids_device: torch.Tensor | None = None  # all token ids [>= num_tokens] on the device
+    finish_reason: str | None = None  # vLLM's: stop, length, abort, error, repetition (None: not known)
 
 
 @dataclasses.dataclass

@@ -14,7 +14,14 @@ methods (no vLLM source is modified):
   "model runner V2"): the first thing a step does with the scheduler's output.  Requests in
   ``finished_req_ids`` are captured *before* the original runs, i.e. before this step can zero or
   overwrite their freed blocks; then the step's new and scheduled requests are recorded (blocks, and how
-  many tokens have been through the model).
+  many tokens have been through the model);
+- ``Scheduler._free_request``, ``Scheduler.schedule`` and ``Scheduler.finish_requests`` (EngineCore process)
+  and ``OutputProcessor.process_outputs`` (front end): each finished request's finish reason (``stop``,
+  ``length``, ``abort``, ...), which the worker is never told, rides to it on the ``SchedulerOutput`` that
+  carries its id; a stop string, found by the front end, is tagged on the abort it sends
+  (:func:`_patch_scheduler`).
+
+The capture's ``model`` is the served model name, never a local path (:func:`attn_otel.tracking.model_name`).
 
 A layer's own attention terms (scale, logit soft-capping, sliding window, learned sinks) are read here
 into its ``LayerSpec``; layers attn-otel cannot reproduce exactly (MLA, ALiBi, chunked local attention,
@@ -66,6 +73,7 @@ def _patch() -> None:
         _wrap(v2.GPUModelRunner, "finish_requests", _before_step)
     except Exception:  # noqa: BLE001 - not in this build (the CPU build has no V2 runner)
         pass
+    _patch_scheduler()
     if current_platform.is_cpu():
         # Imported only on CPU: the CPU runner's module replaces torch.cuda.Event process-wide.
         from vllm.v1.worker.cpu_worker import CPUWorker as worker_cls
@@ -115,6 +123,98 @@ def _on_arrival(orig, scheduler, request, *args, **kwargs):
 def _prompt_len(request) -> int:
     n = getattr(request, "num_prompt_tokens", None)
     return int(n) if n is not None else len(getattr(request, "prompt_token_ids", None) or ())
+
+
+# ------------------------------------------------------------------------------ scheduler (EngineCore)
+_REASONS = "attn_otel_finish_reasons"  # SchedulerOutput attribute: {request id: finish reason}
+# Prefix of the marker ids the front end adds to an abort for requests it stopped on a stop string (NUL: no
+# request id from HTTP or the offline counter has one; an unpatched engine core ignores an unknown id).
+_STOP_MARK = "\x00attn-otel:stop\x00"
+
+
+def _patch_scheduler() -> None:
+    """Finish reasons for the worker.  The worker learns that a request finished only from its id in
+    ``SchedulerOutput.finished_req_ids``; why it finished (``RequestStatus``) is known to the scheduler,
+    in ``_free_request``, which every finish goes through (stop, length, abort, error, ...).  The reason is
+    noted there and handed over on the ``SchedulerOutput`` that carries the id (an attribute of the
+    dataclass instance: the same object in-process, pickled with it to multiprocess workers).
+
+    One finish the scheduler gets wrong: a stop string is found by the front end's detokenizer (vLLM's
+    ``OutputProcessor``), which then *aborts* the request in the engine core (``reqs_to_abort``; vLLM's
+    own ``EngineCore.abort_requests`` has a TODO on passing the reason).  The front end therefore adds a
+    marker id (``_STOP_MARK`` + id) to that abort for each such request, and ``finish_requests`` here takes
+    the markers out and records ``stop`` for those requests, ``abort`` for the rest."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except Exception:  # noqa: BLE001
+        logger.warning("attn-otel: no vLLM v1 scheduler here; captures carry no finish reason")
+        return
+    if not {"_free_request", "schedule", "finish_requests"} <= set(vars(Scheduler)):
+        logger.warning("attn-otel: this vLLM's scheduler has no _free_request/schedule/finish_requests; "
+                       "captures carry no finish reason")
+        return
+    _wrap(Scheduler, "_free_request", _note_finish_reason)
+    _wrap(Scheduler, "schedule", _hand_over_finish_reasons)
+    _wrap(Scheduler, "finish_requests", _take_stop_marks)
+    try:
+        from vllm.v1.engine.output_processor import OutputProcessor
+
+        _wrap(OutputProcessor, "process_outputs", _mark_stop_string_aborts)
+    except Exception:  # noqa: BLE001 - stop-string finishes are then recorded as abort
+        logger.warning("attn-otel: cannot tell stop-string finishes from aborts in this vLLM; both are "
+                       "recorded as abort")
+
+
+def _mark_stop_string_aborts(orig, processor, *args, **kwargs):
+    """Front end: the requests in ``reqs_to_abort`` are exactly those its detokenizer stopped on a stop
+    string while the engine core still ran them (vLLM aborts them in the engine core next)."""
+    out = orig(processor, *args, **kwargs)
+    try:
+        stopped = getattr(out, "reqs_to_abort", None)
+        if stopped:
+            stopped.extend([_STOP_MARK + r for r in stopped if isinstance(r, str)])
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+def _take_stop_marks(orig, scheduler, request_ids, *args, **kwargs):
+    if request_ids is None or isinstance(request_ids, str):
+        return orig(scheduler, request_ids, *args, **kwargs)
+    ids = list(request_ids)
+    stops = {r[len(_STOP_MARK):] for r in ids if isinstance(r, str) and r.startswith(_STOP_MARK)}
+    if not stops:
+        return orig(scheduler, ids, *args, **kwargs)
+    scheduler.__dict__["_attn_otel_stops"] = stops
+    try:
+        return orig(scheduler, [r for r in ids if not (isinstance(r, str) and r.startswith(_STOP_MARK))],
+                    *args, **kwargs)
+    finally:
+        scheduler.__dict__.pop("_attn_otel_stops", None)
+
+
+def _note_finish_reason(orig, scheduler, request, *args, **kwargs):
+    try:
+        reason = request.get_finished_reason()
+        if reason is not None:
+            reason = str(reason)  # FinishReason's str: stop, length, abort, error, repetition
+            if reason == "abort" and request.request_id in scheduler.__dict__.get("_attn_otel_stops", ()):
+                reason = "stop"  # stopped by the front end on a stop string (see _patch_scheduler)
+            scheduler.__dict__.setdefault("_attn_otel_reasons", {})[request.request_id] = reason
+    except Exception:  # noqa: BLE001 - a capture without its reason, never a failed finish
+        pass
+    return orig(scheduler, request, *args, **kwargs)
+
+
+def _hand_over_finish_reasons(orig, scheduler, *args, **kwargs):
+    out = orig(scheduler, *args, **kwargs)
+    reasons = scheduler.__dict__.get("_attn_otel_reasons")
+    if reasons:
+        try:
+            setattr(out, _REASONS, {r: reasons.pop(r) for r in out.finished_req_ids if r in reasons})
+        except Exception:  # noqa: BLE001
+            pass
+    return out
 
 
 # ------------------------------------------------------------------------------ API-server process
@@ -513,7 +613,7 @@ def _install(runner, kv_cache_config) -> None:
     import vllm
 
     from .capture import CaptureEngine
-    from .tracking import RequestTracker
+    from .tracking import RequestTracker, model_name
     from .config import Config
 
     config = Config.from_env()
@@ -540,9 +640,7 @@ def _install(runner, kv_cache_config) -> None:
         return
     num_slots = kv_cache_config.num_blocks * max(block_sizes[s.group] for s in specs)
     mc = runner.vllm_config.model_config
-    model = getattr(mc, "served_model_name", None) or mc.model
-    if isinstance(model, (list, tuple)):
-        model = model[0]
+    model = model_name(getattr(mc, "served_model_name", None), mc.model)
     backend = type(layers[specs[0].name].impl).__name__
     par = _parallel(runner, config, specs)
     dtype = _model_dtype(runner)
@@ -566,7 +664,7 @@ def _install(runner, kv_cache_config) -> None:
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
     engine = CaptureEngine(config, specs, num_slots, dtype, runner.device,
-                           model=str(model), engine_version=f"vllm {vllm.__version__}",
+                           model=model, engine_version=f"vllm {vllm.__version__}",
                            attrs={"attention_impl": backend}, parallel=par, stream=stream, map_layers=maps,
                            map_tap_rows=_map_tap_rows(config))
     engine.block_sizes = block_sizes
@@ -764,12 +862,16 @@ def _track(runner, engine, so) -> None:
         if t is None or t.written <= 0:
             continue
         done.append((req_id, t))
+    reasons = getattr(so, _REASONS, None) or {}  # see _patch_scheduler
+    # token ids only where they are stored (ATTN_OTEL_STORE_TOKENS): no gather of them otherwise
+    tokens = (_output_tokens(runner, [r for r, _ in done]) if engine.config.store_tokens
+              else [(None, None)] * len(done))
     # token ids copied on the engine's stream (the runner reuses their rows); the rest on the side stream
     finished = [FinishedRequest(
         request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
         num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes, extra_args=t.extra_args,
-        vision_positions=t.vision_positions, token_ids_device=device_ids)
-        for (req_id, t), (outputs, device_ids) in zip(done, _output_tokens(runner, [r for r, _ in done]))]
+        vision_positions=t.vision_positions, token_ids_device=device_ids, finish_reason=reasons.get(req_id))
+        for (req_id, t), (outputs, device_ids) in zip(done, tokens)]
     preempted = list(getattr(so, "preempted_req_ids", None) or ())
     maptap = engine.maptap
     if stream is not None:

@@ -47,7 +47,9 @@ Attributes: ``attn_otel.store_uri``, ``attn_otel.request_id``, ``attn_otel.layer
 ``attn_otel.num_layers``, ``attn_otel.num_heads``, ``attn_otel.tokens.prompt``, ``attn_otel.tokens.generated``,
 ``attn_otel.tokens.total``, ``attn_otel.model``, ``attn_otel.engine_version``, ``attn_otel.mode``,
 ``attn_otel.maps_stored``, ``attn_otel.capture_latency_s``, ``attn_otel.sink_tokens``, ``attn_otel.vision``,
-``attn_otel.fetch_command``.  One event ``attn_otel.layer`` per captured layer with ``attn_otel.layer``
+``attn_otel.finish_reason`` (vLLM's: ``stop``, ``length``, ``abort``, ``error``, ``repetition``; absent when the
+engine did not say), ``attn_otel.fetch_command``.  ``attn_otel.model`` is the served model name, never a local
+path (:func:`attn_otel.tracking.model_name`).  One event ``attn_otel.layer`` per captured layer with ``attn_otel.layer``
 (the layer index) and ``{part}.{metric}`` = the layer mean (over heads) of the metric over the part's rows
 (:func:`attn_otel.metrics.summarize`'s ``layer_mean``), for part ``prompt`` and ``generated``; undefined
 values (NaN, a metric the request lacks) are left out.
@@ -207,7 +209,7 @@ class OtelExporter:
         }
         if item.uri is not None:
             attrs["attn_otel.store_uri"] = str(item.uri)
-        for key, kind in (("sink_tokens", int), ("vision", bool)):
+        for key, kind in (("sink_tokens", int), ("vision", bool), ("finish_reason", str)):
             if key in record.attrs:
                 attrs[f"attn_otel.{key}"] = kind(record.attrs[key])
         return attrs

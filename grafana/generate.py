@@ -82,7 +82,10 @@ RATE = "$__rate_interval"
 SEL = 'job=~"$job",instance=~"$instance"'  # every series carries these
 SEL_MODEL = SEL + ',model=~"$model"'  # attn-otel histograms
 SEL_LAYER = SEL_MODEL + ',layer=~"$layer"'
-SEL_VLLM = SEL + ',model_name=~"$model"'  # vLLM's own metrics name the model model_name
+# vLLM's own metrics name the model model_name: its served model name, which vLLM sets to the model path when
+# the operator gave no --served-model-name; attn-otel's model label cuts a local path to its last component
+# (attn_otel.tracking.model_name), so vLLM's series match $model with or without the folders before it.
+SEL_VLLM = SEL + ',model_name=~"(.*/)?$model"'
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 

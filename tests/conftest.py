@@ -24,10 +24,11 @@ def smollm2_path() -> str:
 class Engine:
     """One real vLLM engine (CPU build, in-process so tests can read the capture engine's counters)."""
 
-    def __init__(self, llm, store: Path, model_path: str):
+    def __init__(self, llm, store: Path, model_path: str, served_model_name: str | None = None):
         self.llm = llm
         self.store = store
         self.model_path = model_path
+        self.served_model_name = served_model_name
 
     @property
     def capture(self):
@@ -49,6 +50,9 @@ class Engine:
         assert self.capture.flush(120), "captures not written within 120 s"
 
 
+SERVED_MODEL_NAME = "smollm2-under-test"
+
+
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory, smollm2_path):
     store = tmp_path_factory.mktemp("store")
@@ -61,6 +65,7 @@ def engine(tmp_path_factory, smollm2_path):
         "ATTN_OTEL_ROW_METRICS": "all",  # the tests compare every capture's rows with NumPy
         "ATTN_OTEL_MAP_TAP_TOKENS": "8192",  # of every layer: 0.3 GiB of the 1 GiB KV-cache space below
         "ATTN_OTEL_VERIFY": "1",  # maps captures check maps x V against the attention output
+        "ATTN_OTEL_STORE_TOKENS": "1",  # the exactness tests compare the stored token ids (off by default)
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
@@ -68,9 +73,10 @@ def engine(tmp_path_factory, smollm2_path):
     os.environ.update(env)
     from vllm import LLM
 
-    llm = LLM(model=smollm2_path, max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=16,
-              enable_prefix_caching=True, seed=0)
-    yield Engine(llm, store, smollm2_path)
+    # loaded from a local folder, served under a name of its own: captures record the name, never the path
+    llm = LLM(model=smollm2_path, served_model_name=SERVED_MODEL_NAME, max_model_len=2048,
+              max_num_batched_tokens=256, max_num_seqs=16, enable_prefix_caching=True, seed=0)
+    yield Engine(llm, store, smollm2_path, SERVED_MODEL_NAME)
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
@@ -149,8 +155,10 @@ from scraped import SCRAPED_LAYERS, SCRAPED_PROMPTS  # noqa: E402 - test modules
 
 class ScrapedServer:
     """What :func:`scraped_server` yields: the Prometheus ``url``, the vLLM ``port`` and ``target``
-    (host:port), the ``store``, the ``traces`` of the captured requests, the served ``model`` name, and the
-    wall-clock ``started`` / ``finished`` times of the traffic."""
+    (host:port), the ``store``, the ``traces`` of the captured requests, the ``model`` name attn-otel labels
+    its series with (the local folder's name: served without --served-model-name), ``vllm_model_name`` (vLLM's
+    own ``model_name`` label: the whole path), and the wall-clock ``started`` / ``finished`` times of the
+    traffic."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
@@ -214,7 +222,8 @@ def scraped_server(smollm2_path, tmp_path_factory):
                               lambda v: v >= len(SCRAPED_PROMPTS), timeout=60)
                 prom.wait_for(url, f'sum(attn_otel_skips_total{{job="{job}",reason="request_off"}})',
                               lambda v: v >= 1, timeout=60)
-            yield ScrapedServer(url=url, port=port, target=target, store=store, traces=traces, model=smollm2_path,
+            yield ScrapedServer(url=url, port=port, target=target, store=store, traces=traces,
+                                model=Path(smollm2_path).name, vllm_model_name=smollm2_path,
                                 started=started, finished=time.time(), log_path=log_path)
         finally:
             if stop is not None:

@@ -224,3 +224,64 @@ def test_a_writer_process_that_stops_answering_is_replaced(tmp_path):
     for trace in (first, last):
         (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
     eng.close()
+
+
+def test_token_ids_are_stored_only_when_asked(tmp_path):
+    for store_tokens in (False, True):
+        eng = _engine(tmp_path, store=f"store-{store_tokens}", writer="thread", store_tokens=store_tokens)
+        trace = new_trace_id()
+        eng.on_finished(_req(30, "maps", trace))
+        assert eng.flush(30)
+        (cap,) = attn_otel.open_trace(trace, store=tmp_path / f"store-{store_tokens}")
+        assert cap.has_maps
+        if store_tokens:
+            assert list(cap.token_ids) == list(range(28)) + [7, 8]
+        else:
+            assert cap.token_ids is None and cap.meta["token_ids"] is False
+        eng.close()
+    assert Config().store_tokens is False  # the default
+
+
+def test_the_finish_reason_reaches_the_capture(tmp_path):
+    eng = _engine(tmp_path, writer="thread")
+    traces = {}
+    for reason in ("stop", "length", "abort", None):
+        traces[reason] = new_trace_id()
+        req = _req(30, "metrics", traces[reason])
+        req.request_id = f"r-{reason}"
+        req.finish_reason = reason
+        eng.on_finished(req)
+    assert eng.flush(30)
+    for reason, trace in traces.items():
+        (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+        assert cap.finish_reason == reason and cap.meta.get("finish_reason") == reason
+    eng.close()
+
+
+@pytest.mark.parametrize("served, model, name", [
+    ("smollm2", "/models/SmolLM2-135M-Instruct", "smollm2"),  # --served-model-name wins
+    (["chat", "chat-alias"], "/models/x", "chat"),  # the first of several names
+    (None, "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"),  # a hub id as given
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
+     "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    # vLLM fills served_model_name with the model string when none was set: a local path is cut to its name
+    ("/root/.cache/attn-otel/models/SmolLM2-135M-Instruct", "/root/.cache/attn-otel/models/SmolLM2-135M-Instruct",
+     "SmolLM2-135M-Instruct"),
+    ("/models/llama/", "/models/llama/", "llama"),
+    ("~/models/qwen", "~/models/qwen", "qwen"),
+    ("./models/qwen", "./models/qwen", "qwen"),
+    ("/models/tiny.gguf", "/models/tiny.gguf", "tiny.gguf"),
+    ("/srv/served-as-a-path", "/models/x", "served-as-a-path"),  # a served name that is a path: cut too
+])
+def test_model_name_is_the_served_name_never_a_local_path(served, model, name):
+    from attn_otel.tracking import model_name
+
+    assert model_name(served, model) == name
+
+
+def test_a_relative_folder_that_exists_here_is_a_local_path(tmp_path, monkeypatch):
+    from attn_otel.tracking import model_name
+
+    (tmp_path / "org" / "model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert model_name("org/model", "org/model") == "model"

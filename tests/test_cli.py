@@ -321,6 +321,55 @@ def test_show_defaults_to_a_named_png(capsys, monkeypatch, store, captured, tmp_
     assert (tmp_path / f"{captured[0].trace_id}-layer0-head1.png").is_file()
 
 
+def test_a_capture_without_token_ids_shows_positions(capsys, monkeypatch, store, tmp_path):
+    """Token ids are stored only when asked (ATTN_OTEL_STORE_TOKENS): without them the reader says None,
+    ``ls`` says so, and ``show`` labels its axes by position (a --tokenizer has nothing to decode)."""
+    record, expected = make_record(layers=(0, 3), heads=2, T=12, prompt_len=8, token_ids=False)
+    write(store, record)
+    (cap,) = open_trace(record.trace_id, store)
+    assert cap.token_ids is None and cap.meta["token_ids"] is False
+    np.testing.assert_allclose(cap.maps([3]), expected[1:], atol=FP16_ATOL, rtol=0)  # the maps are all there
+    _, out, _ = run(capsys, "ls", "--store", store, "--json")
+    assert json.loads(out)[0]["token_ids"] is False
+    drawn = []
+    monkeypatch.setattr(cli, "_plot", lambda out, data, start, stop, prompt_len, labels, title, log:
+                        drawn.append((data.shape, labels)) or out.write_bytes(PNG_MAGIC))
+    code, _, err = run(capsys, "show", record.trace_id, "--layer", 3, "--tokenizer", tmp_path / "no-such-tokenizer",
+                       "--store", store, "-o", tmp_path / "m.png")
+    assert code == 0, err
+    assert drawn == [((12, 12), None)]  # positions, no labels
+    assert "not labelling tokens: no token ids stored" in err
+    code, _, err = run(capsys, "show", record.trace_id, "--layer", 0, "--store", store, "-o", tmp_path / "real.png")
+    assert code == 0 and "not labelling" not in err  # no tokenizer asked for: nothing to say
+
+
+def test_show_without_token_ids_draws_a_real_png(capsys, store, tmp_path):
+    record, _ = make_record(token_ids=False)
+    write(store, record)
+    out = tmp_path / "positions.png"
+    code, _, err = run(capsys, "show", record.trace_id, "--layer", 0, "--store", store, "-o", out)
+    assert code == 0, err
+    assert out.read_bytes()[:8] == PNG_MAGIC and _distinct_colours(_image(out)) > 50
+
+
+def test_ls_json_names_the_model_and_finish_reason(capsys, store):
+    record, _ = make_record()
+    record.attrs["finish_reason"] = "abort"
+    write(store, record)
+    _, out, _ = run(capsys, "ls", "--store", store, "--json")
+    (row,) = json.loads(out)
+    assert (row["model"], row["finish_reason"]) == ("synthetic", "abort")
+    (cap,) = open_trace(record.trace_id, store)
+    assert (cap.model, cap.finish_reason) == ("synthetic", "abort")
+
+
+def test_a_capture_without_a_finish_reason_reads_as_none(capsys, store, captured):
+    (cap,) = open_trace(captured[0].trace_id, store)
+    assert cap.finish_reason is None
+    _, out, _ = run(capsys, "ls", "--store", store, "--json")
+    assert json.loads(out)[0]["finish_reason"] is None
+
+
 def test_show_layer_not_captured_is_an_error(capsys, store, captured, tmp_path):
     code, _, err = run(capsys, "show", captured[0].trace_id, "--layer", 5, "--store", store, "-o", tmp_path / "m.png")
     assert code == 1

@@ -52,6 +52,60 @@ def test_every_variable_is_read():
                             queue_bytes=1000, store_tokens=False, sink_tokens=2, writers=3, kv_write="vllm")
 
 
+# --- token ids: content, stored only when asked ---------------------------------------------------------
+
+GENAI = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+
+
+def test_token_ids_are_not_stored_by_default():
+    assert Config().store_tokens is False
+    assert Config.from_env({}).store_tokens is False
+
+
+@pytest.mark.parametrize("value", ["1", "true", " ON ", "yes"])
+def test_attn_otel_store_tokens_asks_for_them(value):
+    assert Config.from_env({"ATTN_OTEL_STORE_TOKENS": value}).store_tokens is True
+
+
+@pytest.mark.parametrize("value", ["true", "TRUE", "1", "SPAN_ONLY", "EVENT_ONLY", "SPAN_AND_EVENT", "span",
+                                   "event"])
+def test_opentelemetry_genai_content_capture_asks_for_them(value):
+    assert Config.from_env({GENAI: value}).store_tokens is True
+
+
+@pytest.mark.parametrize("value", ["false", "0", "NO_CONTENT", ""])
+def test_opentelemetry_genai_no_content_stores_none(value):
+    assert Config.from_env({GENAI: value}).store_tokens is False
+
+
+def test_attn_otel_store_tokens_0_wins_over_the_genai_variable():
+    for value in ("true", "SPAN_AND_EVENT"):
+        assert Config.from_env({GENAI: value, "ATTN_OTEL_STORE_TOKENS": "0"}).store_tokens is False
+
+
+def test_attn_otel_store_tokens_1_wins_over_the_genai_variable():
+    assert Config.from_env({GENAI: "NO_CONTENT", "ATTN_OTEL_STORE_TOKENS": "1"}).store_tokens is True
+
+
+def test_a_bad_attn_otel_store_tokens_leaves_the_choice_to_the_genai_variable(caplog):
+    with caplog.at_level(logging.WARNING, logger="attn_otel"):
+        assert Config.from_env({GENAI: "true", "ATTN_OTEL_STORE_TOKENS": "maybe"}).store_tokens is True
+        assert Config.from_env({"ATTN_OTEL_STORE_TOKENS": "maybe"}).store_tokens is False
+    assert "ATTN_OTEL_STORE_TOKENS" in caplog.text
+
+
+def test_a_bad_genai_value_warns_and_stores_none(caplog):
+    with caplog.at_level(logging.WARNING, logger="attn_otel"):
+        assert Config.from_env({GENAI: "everything"}).store_tokens is False
+    assert GENAI in caplog.text
+
+
+def test_the_writer_process_gets_the_decision_not_the_variables():
+    # writers rebuild Config from dataclasses.asdict(config): the field carries the decision itself
+    config = Config.from_env({GENAI: "true"})
+    assert Config(**dataclasses.asdict(config)).store_tokens is True
+
+
 def test_writer_count_auto_is_between_one_and_four():
     from attn_otel.config import writer_count
 
@@ -201,11 +255,19 @@ def test_bad_request_layers_warn_and_use_the_default(layers):
     "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",  # all-zero parent id
     TRACEPARENT.encode(),
     12345,
+    TRACEPARENT.upper(),  # OpenTelemetry's propagator: lowercase hex only
+    TRACEPARENT + "-extra",  # version 00 has four fields
 ])
 def test_bad_traceparent_warns_and_is_dropped(traceparent):
     options = parse_request_options({"traceparent": traceparent})
     assert options.traceparent is None
     assert len(options.warnings) == 1 and "traceparent=" in options.warnings[0]
+
+
+def test_a_good_traceparent_is_kept_as_opentelemetry_writes_it():
+    assert parse_request_options({"traceparent": f"  {TRACEPARENT}\t"}).traceparent == TRACEPARENT
+    future = "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00-more"
+    assert parse_request_options({"traceparent": future}).traceparent == TRACEPARENT[:-2] + "00"
 
 
 def test_one_bad_option_does_not_drop_the_good_ones():

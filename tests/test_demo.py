@@ -25,5 +25,6 @@ def test_demo_prints_trace_ids_and_writes_a_heatmap(tmp_path, smollm2_path):
     for trace_id, mode in traces:
         (cap,) = attn_otel.open_trace(trace_id, store=tmp_path / "store")
         assert cap.has_maps == (mode == "maps")
+        assert cap.token_ids is not None  # the demo asks for token ids (off by default) to label its heatmap
     assert "Paris" in res.stdout  # the real trained model answers
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"

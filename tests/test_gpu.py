@@ -46,8 +46,8 @@ def gpu_model(tmp_path_factory):
 def gpu_engine(gpu_model, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
-                       "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_VERIFY": "1",
-                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                       "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_VERIFY": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "ATTN_OTEL_STORE_TOKENS": "1"})  # check_exact compares the stored token ids
     from vllm import LLM
 
     llm = LLM(model=gpu_model, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=256,

@@ -122,7 +122,7 @@ def run_engine(name: str, model: str, store, batches) -> dict:
     # NVLink multicast stays off on the lent machines (KINDS.md), so vLLM's symmetric-memory all-reduce too.
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
            "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+           "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "ATTN_OTEL_STORE_TOKENS": "1"}  # the sampling stage's ids are checked
     env.update(json.loads(os.environ.get("ATTN_OTEL_GPU_ENV", "{}")))  # for a look at the engine alone
     args = {"model": model, "store": str(store), "tp": tp, "pp": pp, "batches": batches, "out": str(out),
             "llm_kwargs": LLM_KWARGS}

@@ -157,7 +157,7 @@ def test_vllm_metric_names_exist_on_the_live_server(live):
             samples.setdefault(name, line)
     for name in generate.VLLM_METRICS:
         assert name in samples, f"{name} not on vLLM's /metrics"
-        assert f'model_name="{s.model}"' in samples[name], samples[name]
+        assert f'model_name="{s.vllm_model_name}"' in samples[name], samples[name]
 
 
 def test_render_preview_draws_the_outlier_walk(live, tmp_path):

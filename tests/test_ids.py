@@ -4,10 +4,12 @@ import pytest
 
 from attn_otel.ids import (
     InvalidTraceId,
+    canonical_traceparent,
     check_trace_id,
     maps_sampled,
     new_span_id,
     new_trace_id,
+    new_traceparent,
     parse_traceparent,
     request_key,
 )
@@ -16,7 +18,7 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN_ID = "00f067aa0ba902b7"
 
 
-# --- parse_traceparent ---------------------------------------------------------------------------------
+# --- parse_traceparent: OpenTelemetry's W3C propagator ---------------------------------------------------
 
 def test_traceparent_gives_trace_and_parent_span():
     assert parse_traceparent(f"00-{TRACE_ID}-{SPAN_ID}-01") == (TRACE_ID, SPAN_ID)
@@ -24,6 +26,12 @@ def test_traceparent_gives_trace_and_parent_span():
 
 def test_traceparent_surrounding_whitespace_is_ignored():
     assert parse_traceparent(f"  00-{TRACE_ID}-{SPAN_ID}-00\n") == (TRACE_ID, SPAN_ID)
+
+
+def test_a_future_version_with_more_fields_is_read_and_rewritten_as_version_00():
+    value = f"cc-{TRACE_ID}-{SPAN_ID}-09-what-the-future-will-be-like"
+    assert parse_traceparent(value) == (TRACE_ID, SPAN_ID)
+    assert canonical_traceparent(value) == f"00-{TRACE_ID}-{SPAN_ID}-09"
 
 
 @pytest.mark.parametrize("value", [
@@ -36,14 +44,28 @@ def test_traceparent_surrounding_whitespace_is_ignored():
     f"00-{'0' * 32}-{SPAN_ID}-01",
     f"00-{TRACE_ID}-{'0' * 16}-01",
     f"00_{TRACE_ID}_{SPAN_ID}_01",
+    f"00-{TRACE_ID.upper()}-{SPAN_ID}-01",  # W3C: lowercase hex only
+    f"00-{TRACE_ID}-{SPAN_ID.upper()}-01",
+    f"00-{TRACE_ID}-{SPAN_ID}-0A",
+    f"00-{TRACE_ID}-{SPAN_ID}-01-extra",  # version 00 has exactly four fields
+    f"0-{TRACE_ID}-{SPAN_ID}-01",
+    f"00-{TRACE_ID}-{SPAN_ID}-1",
+    f"00-{TRACE_ID}-{SPAN_ID}-01" + "-x" * 300,  # past the propagator's 512 characters
 ])
 def test_malformed_traceparent_is_none(value):
     assert parse_traceparent(value) is None
+    assert canonical_traceparent(value) is None
 
 
 @pytest.mark.parametrize("value", [None, 12, b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", ["x"]])
 def test_non_string_traceparent_is_none(value):
     assert parse_traceparent(value) is None  # type: ignore[arg-type]
+
+
+def test_the_propagator_writes_version_00_lowercase():
+    assert canonical_traceparent(f" 00-{TRACE_ID}-{SPAN_ID}-03 ") == f"00-{TRACE_ID}-{SPAN_ID}-03"
+    made = new_traceparent()
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", made) and canonical_traceparent(made) == made
 
 
 # --- new ids -------------------------------------------------------------------------------------------

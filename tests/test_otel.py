@@ -92,6 +92,15 @@ def test_span_attributes(otlp_receiver, monkeypatch):
     }
 
 
+@pytest.mark.parametrize("reason", ["stop", "length", "abort"])
+def test_the_finish_reason_is_a_span_attribute(otlp_receiver, monkeypatch, reason):
+    _use(monkeypatch, otlp_receiver)
+    item = _item()
+    item.record.attrs["finish_reason"] = reason
+    _export(item)
+    assert _received(otlp_receiver, item).attributes["attn_otel.finish_reason"] == reason
+
+
 def test_metrics_only_capture_points_at_metrics_command(otlp_receiver, monkeypatch):
     _use(monkeypatch, otlp_receiver)
     item = _item(maps=False)

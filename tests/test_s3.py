@@ -26,7 +26,8 @@ ENGINE_SCRIPT = """
 import json, os, sys, time
 t0 = time.monotonic()
 os.environ.update(ATTN_OTEL="1", ATTN_OTEL_LAYERS="all", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                  VLLM_CPU_KVCACHE_SPACE="1")
+                  VLLM_CPU_KVCACHE_SPACE="1", ATTN_OTEL_STORE_TOKENS="1",  # the test reads token ids back
+                  ATTN_OTEL_MAP_LAYERS="all")  # maps of all 30 layers (the default maps 4, streams the rest)
 
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams

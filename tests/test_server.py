@@ -1,6 +1,7 @@
 """The API-server side (attn_otel.server): trace context in, ``traceresponse`` out, no vLLM needed."""
 
 import asyncio
+import re
 
 import pytest
 from fastapi import FastAPI
@@ -44,13 +45,70 @@ def test_missing_traceparent_gets_a_new_trace_in_header_context_and_response(cli
     assert c.get("/echo").headers["traceresponse"].split("-")[1] != made.split("-")[1]  # one trace per request
 
 
-@pytest.mark.parametrize("bad", ["garbage", "00-" + "0" * 32 + "-" + "1" * 16 + "-01", "00-abc/../x-1-01"])
-def test_invalid_traceparent_is_replaced_not_trusted(client, bad):
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+SPAN_ID = "00f067aa0ba902b7"
+TRACERESPONSE = re.compile(r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+# (what the client sends, the traceparent the request goes on with; None: a new trace)
+TRACEPARENTS = [
+    (f"00-{TRACE_ID}-{SPAN_ID}-01", f"00-{TRACE_ID}-{SPAN_ID}-01"),
+    (f"00-{TRACE_ID}-{SPAN_ID}-00", f"00-{TRACE_ID}-{SPAN_ID}-00"),  # not sampled: kept as the client said
+    (f"00-{TRACE_ID}-{SPAN_ID}-03", f"00-{TRACE_ID}-{SPAN_ID}-03"),
+    (f" 00-{TRACE_ID}-{SPAN_ID}-01\t", f"00-{TRACE_ID}-{SPAN_ID}-01"),  # optional whitespace around it
+    (f"cc-{TRACE_ID}-{SPAN_ID}-01-future", f"00-{TRACE_ID}-{SPAN_ID}-01"),  # a later version: read as 00
+    ("garbage", None),
+    ("00-abc/../x-1-01", None),
+    ("", None),
+    (f"00-{TRACE_ID.upper()}-{SPAN_ID}-01", None),  # uppercase hex
+    (f"00-{TRACE_ID}-{SPAN_ID.upper()}-01", None),
+    (f"00-{TRACE_ID}-{SPAN_ID}-0F", None),
+    (f"00-{'0' * 32}-{SPAN_ID}-01", None),  # all-zero trace id
+    (f"00-{TRACE_ID}-{'0' * 16}-01", None),  # all-zero span id
+    (f"ff-{TRACE_ID}-{SPAN_ID}-01", None),  # the forbidden version
+    (f"00-{TRACE_ID}-{SPAN_ID}-01-extra", None),  # version 00 has four fields
+    (f"00-{TRACE_ID[:-1]}-{SPAN_ID}-01", None),  # wrong lengths
+    (f"00-{TRACE_ID}0-{SPAN_ID}-01", None),
+    (f"00-{TRACE_ID}-{SPAN_ID[:-1]}-01", None),
+    (f"00-{TRACE_ID}-{SPAN_ID}-1", None),
+    (f"0-{TRACE_ID}-{SPAN_ID}-01", None),
+    (f"00-{TRACE_ID}-{SPAN_ID}-01" + "-x" * 300, None),  # longer than 512 characters
+]
+
+
+@pytest.mark.parametrize("sent, kept", TRACEPARENTS)
+def test_traceparents_through_the_middleware(client, sent, kept):
     c, seen = client
-    r = c.get("/echo", headers={"traceparent": bad})
+    r = c.get("/echo", headers={"traceparent": sent, "tracestate": "vendor=1"})
     made = r.headers["traceresponse"]
-    assert made != bad and parse_traceparent(made) is not None
-    assert seen["header"] == made  # vLLM's own tracing sees the same, valid trace
+    assert TRACERESPONSE.match(made), made
+    assert seen == {"header": made, "context": made}  # vLLM's own tracing sees the same, valid trace
+    if kept is not None:
+        assert made == kept and parse_traceparent(made) == (TRACE_ID, SPAN_ID)
+    else:
+        assert made.split("-")[1] != TRACE_ID and parse_traceparent(made) is not None
+
+
+def test_the_tracestate_stays_with_a_kept_traceparent_only(client):
+    c, _ = client
+    app_headers = {}
+
+    @c.app.get("/state")
+    async def state(request: __import__("fastapi").Request):
+        app_headers.update(traceparent=request.headers.getlist("traceparent"),
+                           tracestate=request.headers.get("tracestate"))
+        return {}
+
+    c.get("/state", headers={"traceparent": f"00-{TRACE_ID}-{SPAN_ID}-01", "tracestate": "vendor=1"})
+    assert app_headers == {"traceparent": [f"00-{TRACE_ID}-{SPAN_ID}-01"], "tracestate": "vendor=1"}
+    c.get("/state", headers={"traceparent": f"00-{TRACE_ID.upper()}-{SPAN_ID}-01", "tracestate": "vendor=1"})
+    assert len(app_headers["traceparent"]) == 1 and app_headers["tracestate"] is None
+
+
+def test_of_several_traceparent_headers_the_first_counts_and_one_goes_on(client):
+    c, seen = client
+    first, second = f"00-{TRACE_ID}-{SPAN_ID}-01", f"00-{new_trace_id()}-{new_span_id()}-01"
+    r = c.get("/echo", headers=[("traceparent", first), ("traceparent", second)])
+    assert r.headers["traceresponse"] == first == seen["header"]
 
 
 def test_context_is_empty_outside_a_request():

@@ -16,6 +16,7 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAP_LAYERS": "all", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "ATTN_OTEL_STORE_TOKENS": "1",  # stored ids are checked against vLLM's
                        "VLLM_CPU_KVCACHE_SPACE": "1"})
     logging.basicConfig()
     logging.getLogger("attn_otel").setLevel(logging.INFO)

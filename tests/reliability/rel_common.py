@@ -4,8 +4,8 @@ behind a proxy that the tests break on purpose, and a local store on a small fil
 Two engines, each started once per session and only when a test asks for it (about 25 s each):
 
 - ``s3_engine``: captures to ``s3://bucket/captures`` on moto's server, reached through a
-  :class:`faulty_proxy.FaultyProxy`; token ids stored (the default); spans to a real OTLP receiver; stats
-  dir for Prometheus; a 2 MiB hand-off so that an outage fills it quickly.
+  :class:`faulty_proxy.FaultyProxy`; token ids stored (``ATTN_OTEL_STORE_TOKENS=1``); spans to a real OTLP
+  receiver; stats dir for Prometheus; a 2 MiB hand-off so that an outage fills it quickly.
 - ``disk_engine``: captures to a local folder on a 256 MiB tmpfs mounted for the session (needs root;
   without it the folder is an ordinary one and the full-disk test is skipped); ``ATTN_OTEL_STORE_TOKENS=0``,
   ``ATTN_OTEL_MAX_MAP_TOKENS=64``, 16 MiB host and 16 MiB device hand-offs.
@@ -130,7 +130,8 @@ def s3_engine(smollm2_path, moto_s3, s3_proxy, otlp_receiver, tmp_path_factory):
     env = _engine_env({**aws, "ATTN_OTEL_STORE": backend.url, "ATTN_OTEL_QUEUE_BYTES": str(S3_QUEUE_BYTES),
                        "ATTN_OTEL_S3_TIMEOUT_S": str(S3_TIMEOUT_S), "ATTN_OTEL_STATS_DIR": str(stats_dir),
                        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.http_endpoint,
-                       "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200"})
+                       "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200",
+                       "ATTN_OTEL_STORE_TOKENS": "1"})  # test_security checks stored ids stay in the store
     driver = Driver(smollm2_path, env, {"max_num_seqs": 64}, work)
     driver.backend = backend
     driver.proxy = s3_proxy

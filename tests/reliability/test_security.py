@@ -149,7 +149,7 @@ def test_prompt_text_and_token_ids_stay_in_the_store(s3_engine, s3_env, otlp_rec
     out = res["outputs"][0]
     ids = out["prompt_ids"] + out["output_ids"]
 
-    # the store has them (ATTN_OTEL_STORE_TOKENS defaults to 1) ...
+    # the store has them (this engine asks for them: ATTN_OTEL_STORE_TOKENS=1; the default stores none) ...
     (cap,) = attn_otel.open_trace(trace, store=s3_engine.backend.url)
     assert list(cap.token_ids) == ids[:cap.num_tokens]
     # ... and nothing else does: the span (attributes, events, raw bytes on the wire)
