@@ -15,6 +15,26 @@ if ! command -v prometheus >/dev/null 2>&1; then
     echo "setup: no prometheus binary and no root apt-get: the Prometheus scrape tests will fail" >&2
   fi
 fi
+# Grafana's published dashboard schema (@grafana/schema) and the TypeScript compiler that checks the generated
+# dashboards against it (tests/test_grafana_schema.py): npm ci from the committed lock file into
+# grafana/schema-check/node_modules (gitignored), again whenever the lock file changes.
+if ! command -v npm >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's nodejs and npm ..." >&2
+    (apt-get install -y -q nodejs npm >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q nodejs npm >/dev/null; })
+  else
+    echo "setup: no npm and no root apt-get: the Grafana schema tests will fail" >&2
+  fi
+fi
+schema_check=grafana/schema-check
+if command -v npm >/dev/null 2>&1 && ! cmp -s "$schema_check/package-lock.json" "$schema_check/node_modules/.attn-otel-lock"; then
+  echo "setup: installing @grafana/schema and typescript (npm ci in $schema_check) ..." >&2
+  if (cd "$schema_check" && npm ci --no-audit --no-fund --loglevel=error); then
+    cp "$schema_check/package-lock.json" "$schema_check/node_modules/.attn-otel-lock"
+  else
+    echo "setup: npm ci failed: the Grafana schema tests will fail" >&2
+  fi
+fi
 stamp_src=$(cat setup.sh pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ -f .venv/.attn-otel-setup ] && [ "$(cat .venv/.attn-otel-setup)" = "$stamp_src" ]; then
   echo "setup: .venv is up to date" >&2

@@ -89,7 +89,7 @@ as ``store_error``) and a fresh one started for the next capture.  ``0`` (defaul
 minute (180 s with the default ``ATTN_OTEL_S3_TIMEOUT_S``), far above any healthy write."""
 
 ATTN_OTEL_ROW_METRICS = "ATTN_OTEL_ROW_METRICS"
-"""Which captures store their per-row metrics (``metrics/{name}`` ``[layers, heads, T]``): ``maps`` (default)
+"""Which captures store their per-row metrics (``{name}`` ``(layer, head, query)`` beside ``attn``): ``maps`` (default)
 only the captures whose maps are stored; ``all`` every capture.  Every capture stores its summary (means
 and quantiles per layer and head, a few kB).  At production rates rows for every request are the bulk of
 the store's traffic (about 2.8 MB per 768-token request on four 32-head layers)."""

@@ -2,7 +2,7 @@
 
 NumPy only (no torch, no vLLM): this runs in the reader, the CLI and the exporters.  The per-row metrics
 and where each is defined are documented in :mod:`attn_otel.attention`; a capture stores them as
-``metrics/{name}`` float32 ``[n_layers, n_heads, T]``, NaN where a row has no value.
+``{name}`` float32 ``(layer, head, query)`` beside ``attn``, NaN where a row has no value.
 
 Rows 0..N-1 are the prompt, rows N..T-1 the generated tokens (N = ``prompt_len``).  A summary only averages
 the rows where a metric is defined, and is NaN (``None`` in JSON) where a part has none: the generated part

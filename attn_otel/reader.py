@@ -10,7 +10,8 @@ import numpy as np
 from .config import ATTN_OTEL_STORE, Config
 from .ids import check_trace_id
 from .store import MARKER as MARKER_NAME
-from .store import StoreError, list_request_keys, list_trace_ids, open_zarr_store, read_summary, redact_url
+from .store import ROW_METRICS_GROUP, StoreError, list_request_keys, list_trace_ids, open_zarr_store, read_summary
+from .store import redact_url
 
 if TYPE_CHECKING:
     import zarr.abc.store
@@ -62,7 +63,8 @@ class Capture:
         reason = meta.get("finish_reason")
         self.finish_reason: str | None = reason if isinstance(reason, str) else None
         # store format (see attn_otel.store.FORMAT_VERSION): a format-1 capture's lookback_ratio left the
-        # query's own key out (not Lookback Lens's value); its other metrics are the same
+        # query's own key out (not Lookback Lens's value); its other metrics are the same.  Formats 1 and 2
+        # keep the per-row metrics under metrics/, format 3 beside attn (and opens in xarray)
         self.format: int = int(meta["format"])
         self._group = None
 
@@ -131,8 +133,8 @@ class Capture:
         if not isinstance(names, list) or not all(isinstance(n, str) and n.isidentifier() for n in names):
             raise StoreError(f"{self.prefix}/{MARKER_NAME} lists malformed metric names")
         shape = (len(self.layers), self.num_heads, self.num_tokens)
-        return {name: self._read(f"metrics/{name}", self._array(f"metrics/{name}", shape, "f"))
-                for name in names}
+        where = {name: name if self.format >= 3 else f"{ROW_METRICS_GROUP}/{name}" for name in names}
+        return {name: self._read(where[name], self._array(where[name], shape, "f")) for name in names}
 
     @property
     def has_row_metrics(self) -> bool:
@@ -154,6 +156,42 @@ class Capture:
         except (KeyError, ValueError) as e:
             raise StoreError(f"{self.prefix}/summary is not an attn-otel summary ({e})") from None
         return summary_from_array(arr, self.meta["summary_metrics"])
+
+    def to_xarray(self):
+        """The capture as an ``xarray.Dataset``: ``attn`` (layer, head, query, key), the per-row metrics
+        (layer, head, query), ``token_ids`` and ``vision_mask`` (query), ``summary`` (part, metric, stat,
+        layer, head); coordinates ``layer`` (the model's layer numbers), ``head``, ``query`` and ``key``
+        (token positions).  A format-3 capture is opened lazily with ``xarray.open_zarr`` (what
+        ``xr.open_zarr(STORE/PREFIX, consolidated=False)`` gives); an older one, whose arrays name no
+        dimensions, is read into memory in the same shape.  Needs ``pip install 'attn-otel[xarray]'``."""
+        import xarray as xr
+
+        attrs = {"attn_otel": self.meta}
+        if self.format >= 3:
+            import warnings
+
+            with warnings.catch_warnings():  # COMPLETE and parts/ are ours, not zarr's: zarr says so
+                warnings.filterwarnings("ignore", message=".*not recognized as a component of a Zarr hierarchy")
+                ds = xr.open_zarr(self._store, group=self.prefix, consolidated=False)
+            ds.attrs = attrs  # the COMPLETE marker, as for the older formats (the group's own is a subset)
+            return ds
+        T = self.num_tokens
+        data: dict[str, Any] = {n: (("layer", "head", "query"), v) for n, v in self.metrics.items()}
+        if self.has_maps:
+            data["attn"] = (("layer", "head", "query", "key"), self._read("attn", self.attn))
+        for name in ("token_ids", "vision_mask"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = (("query",), value)
+        coords: dict[str, Any] = {"layer": np.asarray(self.layers, dtype=np.int32),
+                                  "head": np.arange(self.num_heads, dtype=np.int32),
+                                  "query": np.arange(T, dtype=np.int32), "key": np.arange(T, dtype=np.int32)}
+        if self.meta.get("summary_metrics") is not None:
+            from .metrics import PARTS, SUMMARY_METRICS, SUMMARY_STATS
+
+            data["summary"] = (("part", "metric", "stat", "layer", "head"), np.asarray(self.group["summary"][...]))
+            coords.update(part=list(PARTS), metric=list(SUMMARY_METRICS), stat=list(SUMMARY_STATS))
+        return xr.Dataset(data, coords=coords, attrs=attrs)
 
     def layer_index(self, layer: int) -> int:
         try:

@@ -1,18 +1,24 @@
 """Captures as Zarr v3 groups, one per request, keyed by trace id.
 
-Layout (``{store}`` is ``ATTN_OTEL_STORE``)::
+Layout (``{store}`` is ``ATTN_OTEL_STORE``; ``(dims)`` are each array's zarr ``dimension_names``)::
 
     {store}/traces/{trace_id}/{request_key}/zarr.json        group; attributes hold the token metadata
-    {store}/traces/{trace_id}/{request_key}/attn/...          float16 [layers, heads, T, T], fill 0,
+    {store}/traces/{trace_id}/{request_key}/attn/...          float16 (layer, head, query, key), fill 0,
                                                               chunks (1, 1, ROWS, T): one layer+head is
                                                               ceil(T/ROWS) reads, a band of rows one read
-    {store}/traces/{trace_id}/{request_key}/token_ids/...    int32 [T] (only where asked: ATTN_OTEL_STORE_TOKENS,
+    {store}/traces/{trace_id}/{request_key}/{metric}          float32 (layer, head, query), per query row
+    {store}/traces/{trace_id}/{request_key}/token_ids        int32 (query) (only where asked: ATTN_OTEL_STORE_TOKENS,
                                                               else OTel's GenAI content-capture variable)
-    {store}/traces/{trace_id}/{request_key}/metrics/{name}   float32 [layers, heads, T], per query row
-    {store}/traces/{trace_id}/{request_key}/vision_mask      bool [T], image-embedding positions (multimodal)
-    {store}/traces/{trace_id}/{request_key}/summary          float32 [part, metric, stat, layers, heads]
+    {store}/traces/{trace_id}/{request_key}/vision_mask      bool (query), image-embedding positions (multimodal)
+    {store}/traces/{trace_id}/{request_key}/summary          float32 (part, metric, stat, layer, head)
+    {store}/traces/{trace_id}/{request_key}/layer, head      int32 coordinates: the model's layer numbers, 0..H-1
+    {store}/traces/{trace_id}/{request_key}/query, key       int32 coordinates: token positions 0..T-1
+    {store}/traces/{trace_id}/{request_key}/part, metric, stat   string coordinates of ``summary``
     {store}/traces/{trace_id}/{request_key}/parts/{i}        tensor/pipeline parallel only: part i's marker
     {store}/traces/{trace_id}/{request_key}/COMPLETE         JSON summary, written last
+
+Every array names its dimensions and every dimension has a coordinate array of its name, so a capture's
+group opens as one ``xarray.Dataset`` (``xr.open_zarr(path, consolidated=False)``, docs/xarray.md).
 
 Tensor- and pipeline-parallel engines write one capture from several ranks, each its own slice (a
 :class:`CapturePart`: a contiguous range of heads, the layers its pipeline stage holds) into the same
@@ -50,14 +56,26 @@ import numpy as np
 
 from .ids import check_trace_id, request_key
 
-# The capture format written (the COMPLETE marker's and the group's ``format``), and those read.  2: the
-# lookback ratio is Lookback Lens's (the new tokens include the query's own, defined from the first generated
-# row on; see attn_otel.attention).  1: the same layout, but its ``lookback_ratio`` (per-row metrics and
-# summary) left the query's own key out and began a row later; still read, its lookback values as stored.
-FORMAT_VERSION = 2
-READ_FORMATS = (1, 2)
+# The capture format written (the COMPLETE marker's and the group's ``format``), and those read.  3: the
+# layout xarray opens: every array has dimension_names, the coordinates layer/head/query/key (and
+# part/metric/stat for summary) are arrays of their own, and the per-row metrics sit beside ``attn``
+# instead of in a ``metrics`` subgroup (a group opens as one Dataset; its subgroups do not); the old
+# ``layers`` array is the coordinate ``layer``.  2: the lookback ratio is Lookback Lens's (the new tokens
+# include the query's own, defined from the first generated row on; see attn_otel.attention); per-row
+# metrics under ``metrics/``.  1: format 2's layout, but its ``lookback_ratio`` (per-row metrics and summary)
+# left the query's own key out and began a row later; still read, its lookback values as stored.
+FORMAT_VERSION = 3
+READ_FORMATS = (1, 2, 3)
+ROW_METRICS_GROUP = "metrics"  # where formats 1 and 2 keep the per-row metrics
+# dimension names (zarr v3 ``dimension_names``; xarray's dims)
+MAP_DIMS = ("layer", "head", "query", "key")
+ROW_DIMS = ("layer", "head", "query")
+SUMMARY_DIMS = ("part", "metric", "stat", "layer", "head")
 MARKER = "COMPLETE"
 PARTS_DIR = "parts"
+# names a per-row metric must not take: the capture's other arrays and objects
+RESERVED_NAMES = frozenset({"attn", "token_ids", "vision_mask", "summary", "layers", *MAP_DIMS, *SUMMARY_DIMS,
+                            ROW_METRICS_GROUP, PARTS_DIR, MARKER, "zarr.json"})
 ROWS_PER_CHUNK = 256
 
 
@@ -300,36 +318,74 @@ async def _write_capture(store, record: CaptureRecord, rows: bool = True,
         async def maps():
             arr = await group.create_array(
                 "attn", shape=(L, H, T, T), dtype="float16", chunks=(1, 1, min(T, ROWS_PER_CHUNK), T),
-                fill_value=0.0, dimension_names=("layer", "head", "query", "key"))
+                fill_value=0.0, dimension_names=MAP_DIMS)
             await arr.setitem(slice(None), record.maps)
 
         jobs.append(maps())
         written += record.maps.nbytes
-    jobs.append(group.create_array("layers", data=np.asarray(record.layers, dtype=np.int32)))
+    jobs.extend(_coordinates(group, record, summary_stats is not None, _create_and_write))
     if record.token_ids is not None:
-        jobs.append(group.create_array("token_ids", data=np.asarray(record.token_ids, dtype=np.int32)))
+        jobs.append(_create_and_write(group, "token_ids", np.asarray(record.token_ids, dtype=np.int32), ("query",)))
         written += record.token_ids.nbytes
     if record.vision_mask is not None:
-        jobs.append(group.create_array("vision_mask", data=np.asarray(record.vision_mask, dtype=bool)))
+        jobs.append(_create_and_write(group, "vision_mask", np.asarray(record.vision_mask, dtype=bool), ("query",)))
     if summary_stats is not None:
         from .metrics import summary_to_array
 
         arr = summary_to_array(summary_stats, len(record.layers), int(record.num_heads))
-        jobs.append(group.create_array("summary", data=arr, attributes=_summary_attributes()))
+        jobs.append(group.create_array("summary", data=arr, attributes=_summary_attributes(),
+                                       dimension_names=SUMMARY_DIMS))
         written += arr.nbytes
     if record.metrics and rows:
-        async def metrics():
-            mg = await group.create_group("metrics")
-            await asyncio.gather(*(mg.create_array(name, data=np.ascontiguousarray(value, dtype=np.float32))
-                                   for name, value in record.metrics.items()))
-
-        jobs.append(metrics())
+        _check_metrics(record.metrics, (len(record.layers), int(record.num_heads), int(record.num_tokens)))
+        jobs.extend(group.create_array(name, data=np.ascontiguousarray(value, dtype=np.float32),
+                                       dimension_names=ROW_DIMS)
+                    for name, value in record.metrics.items())
         written += sum(v.nbytes for v in record.metrics.values())
     await asyncio.gather(*jobs)
     from zarr.core.buffer import default_buffer_prototype
 
     await store.set(f"{prefix}/{MARKER}", default_buffer_prototype().buffer.from_bytes(json.dumps(meta).encode()))
     return written, meta
+
+
+def _check_metrics(metrics: dict[str, Any], shape: tuple[int, ...]) -> None:
+    """Per-row metrics are ``(layer, head, query)`` arrays (a part's own layers and heads), named unlike the
+    capture's other arrays: they sit beside them."""
+    clash = sorted(set(metrics) & RESERVED_NAMES)
+    if clash:
+        raise StoreError(f"per-row metric names {clash} are names of the capture's own arrays")
+    bad = {name: np.shape(v) for name, v in metrics.items() if np.shape(v) != shape}
+    if bad:
+        raise StoreError(f"per-row metrics {bad} are not of shape {shape} (layer, head, query)")
+
+
+def _coordinates(group, record: CaptureRecord, with_summary: bool, write) -> list:
+    """Jobs writing the coordinate arrays: ``layer`` (the model's layer numbers), ``head``, ``query`` and
+    ``key`` (token positions), and with a summary its labels ``part``, ``metric`` and ``stat``.  ``write``
+    is :func:`_create_and_write` (one writer) or :func:`_ensure_and_write` (a part of a parallel capture)."""
+    from .metrics import PARTS, SUMMARY_METRICS, SUMMARY_STATS
+
+    positions = np.arange(int(record.num_tokens), dtype=np.int32)
+    jobs = [write(group, "layer", np.asarray(record.layers, dtype=np.int32), ("layer",)),
+            write(group, "head", np.arange(int(record.num_heads), dtype=np.int32), ("head",)),
+            write(group, "query", positions, ("query",)), write(group, "key", positions, ("key",))]
+    if with_summary:
+        jobs += [_write_labels(group, name, labels, write)
+                 for name, labels in (("part", PARTS), ("metric", SUMMARY_METRICS), ("stat", SUMMARY_STATS))]
+    return jobs
+
+
+async def _write_labels(group, name: str, labels, write) -> None:
+    """A string coordinate (zarr's variable-length UTF-8 ``string`` type, which xarray reads as str)."""
+    await write(group, name, np.array(list(labels), dtype=np.dtypes.StringDType()), (name,))
+
+
+async def _create_and_write(group, name: str, data: np.ndarray, dims: tuple[str, ...]) -> None:
+    dtype = str if data.dtype.kind == "T" else data.dtype
+    arr = await group.create_array(name, shape=data.shape, dtype=dtype, chunks=data.shape or (1,),
+                                   dimension_names=dims)
+    await arr.setitem(slice(None), data)
 
 
 def _summary_attributes() -> dict[str, Any]:
@@ -444,17 +500,18 @@ async def _write_part(store, record: CaptureRecord, rows: bool, summary_stats: d
         async def maps():
             arr = await _ensure_array(group, "attn", shape=(L, H, T, T), dtype="float16",
                                       chunks=(1, 1, min(T, ROWS_PER_CHUNK), T), fill_value=0.0,
-                                      dimension_names=("layer", "head", "query", "key"))
+                                      dimension_names=MAP_DIMS)
             await region(arr, record.maps, 0)
 
         jobs.append(maps())
         written += record.maps.nbytes
     if part.index == 0:  # the same for every part: one writer
-        jobs.append(_ensure_and_write(group, "layers", np.asarray(record.layers, dtype=np.int32)))
+        jobs.extend(_coordinates(group, record, summary_stats is not None, _ensure_and_write))
         if record.vision_mask is not None:
-            jobs.append(_ensure_and_write(group, "vision_mask", np.asarray(record.vision_mask, dtype=bool)))
+            jobs.append(_ensure_and_write(group, "vision_mask", np.asarray(record.vision_mask, dtype=bool),
+                                          ("query",)))
     if record.token_ids is not None:  # only the rank that samples passes token ids (see the engine)
-        jobs.append(_ensure_and_write(group, "token_ids", np.asarray(record.token_ids, dtype=np.int32)))
+        jobs.append(_ensure_and_write(group, "token_ids", np.asarray(record.token_ids, dtype=np.int32), ("query",)))
         written += record.token_ids.nbytes
     if summary_stats is not None:
         from .metrics import summary_to_array
@@ -464,23 +521,20 @@ async def _write_part(store, record: CaptureRecord, rows: bool, summary_stats: d
         async def summary_part():
             arr = await _ensure_array(group, "summary", shape=data.shape[:3] + (L, H), dtype="float32",
                                       chunks=data.shape[:3] + (lchunk, hp), fill_value=float("nan"),
-                                      attributes=_summary_attributes())
+                                      attributes=_summary_attributes(), dimension_names=SUMMARY_DIMS)
             await region(arr, data, 3)
 
         jobs.append(summary_part())
         written += data.nbytes
     if record.metrics and rows:
-        async def metrics():
-            mg = await _ensure_group(store, f"{prefix}/metrics", {})
+        _check_metrics(record.metrics, (len(pos), hp, T))
 
-            async def one(name, value):
-                arr = await _ensure_array(mg, name, shape=(L, H, T), dtype="float32", chunks=(lchunk, hp, T),
-                                          fill_value=float("nan"))
-                await region(arr, np.ascontiguousarray(value, dtype=np.float32), 0)
+        async def row_metric(name, value):
+            arr = await _ensure_array(group, name, shape=(L, H, T), dtype="float32", chunks=(lchunk, hp, T),
+                                      fill_value=float("nan"), dimension_names=ROW_DIMS)
+            await region(arr, np.ascontiguousarray(value, dtype=np.float32), 0)
 
-            await asyncio.gather(*(one(n, v) for n, v in record.metrics.items()))
-
-        jobs.append(metrics())
+        jobs.extend(row_metric(n, v) for n, v in record.metrics.items())
         written += sum(v.nbytes for v in record.metrics.values())
     await asyncio.gather(*jobs)
     mine = {**part.to_json(), "maps": record.maps is not None, "rows": bool(record.metrics and rows),
@@ -513,8 +567,10 @@ async def _write_part(store, record: CaptureRecord, rows: bool, summary_stats: d
     return written, meta
 
 
-async def _ensure_and_write(group, name: str, data: np.ndarray) -> None:
-    arr = await _ensure_array(group, name, shape=data.shape, dtype=data.dtype, chunks=data.shape or (1,))
+async def _ensure_and_write(group, name: str, data: np.ndarray, dims: tuple[str, ...]) -> None:
+    dtype = str if data.dtype.kind == "T" else data.dtype
+    arr = await _ensure_array(group, name, shape=data.shape, dtype=dtype, chunks=data.shape or (1,),
+                              dimension_names=dims)
     await arr.setitem(slice(None), data)
 
 

@@ -4,6 +4,7 @@ import re
 import matplotlib.image
 import numpy as np
 import pytest
+import zarr
 from synthetic import make_record, write
 
 from attn_otel import cli
@@ -522,8 +523,10 @@ def test_metrics_of_a_capture_without_metrics_is_an_error(capsys, store):
 
 def test_metrics_that_are_not_per_row_are_an_error_naming_the_capture(capsys, store):
     record, _ = make_record()
-    record.metrics = {"entropy": np.ones((2, 2), dtype=np.float32)}
     write(store, record)
+    # the store refuses to write such a capture: damage a written one (a foreign writer, a corrupt object)
+    group = zarr.open_group(f"{store}/{capture_prefix(record.trace_id, record.request_id)}", mode="a")
+    group.create_array("entropy", data=np.ones((2, 2), dtype=np.float32), overwrite=True)
     code, _, err = run(capsys, "metrics", record.trace_id, "--store", store)
     assert code == 1
     assert_one_line_error(err)

@@ -46,7 +46,7 @@ def test_check_names_a_metric_attn_otel_does_not_export(tmp_path):
         (tmp_path / file).write_text(generate.render(model))
     panel = models["capture-pipeline.json"]["panels"][1]
     panel["targets"][0]["expr"] = 'sum(rate(attn_otel_captures_lost_total{job=~"$job"}[$__rate_interval]))'
-    panel["targets"].append(generate.target("rate(vllm:made_up_total[5m])", ref="Z"))
+    panel["targets"].append(generate.to_json(generate.target("rate(vllm:made_up_total[5m])", ref="Z")))
     found = generate.problems(models, tmp_path)
     assert any("attn_otel_captures_lost_total is not exported" in f for f in found), found
     assert any("vllm:made_up_total is not in VLLM_METRICS" in f for f in found), found
@@ -122,9 +122,12 @@ def test_provisioning_files_parse_and_reference_existing_uids():
     assert ds["apiVersion"] == 1
     by_uid = {d["uid"]: d for d in ds["datasources"]}
     assert by_uid[generate.PROMETHEUS_UID]["type"] == "prometheus"
-    (dest,) = by_uid[generate.PROMETHEUS_UID]["jsonData"]["exemplarTraceIdDestinations"]
-    assert dest["name"] == "trace_id"  # the exemplar label the exporter writes
+    dest, viewer = by_uid[generate.PROMETHEUS_UID]["jsonData"]["exemplarTraceIdDestinations"]
+    assert dest["name"] == viewer["name"] == "trace_id"  # the exemplar label the exporter writes
     assert dest["datasourceUid"] == generate.TEMPO_UID and by_uid[dest["datasourceUid"]]["type"] == "tempo"
+    # the second: the capture's maps in the viewer, as Grafana reads the value after its environment expansion
+    assert _grafana_provisioned(viewer["url"]) == ("http://localhost:8000" + generate.VIEWER_PATH
+                                                   + "${__value.raw}")
     dash = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "attn-otel.yaml").read_text())
     (provider,) = dash["providers"]
     assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
@@ -133,6 +136,40 @@ def test_provisioning_files_parse_and_reference_existing_uids():
     uids = {m["uid"] for m in models.values()}
     assert uids == {generate.HEALTH_UID, generate.PIPELINE_UID}
     assert {link["url"].removeprefix("/d/") for m in models.values() for link in m["links"]} == uids
+
+
+def _grafana_provisioned(value: str) -> str:
+    """A provisioning file's string as Grafana uses it: Grafana runs os.ExpandEnv on the parts between
+    ``$$`` (its escape for a literal ``$``); a lone ``$`` here would be an environment variable, so none may be left."""
+    parts = value.split("$$")
+    assert not any("$" in part for part in parts), f"{value!r}: Grafana would expand an environment variable"
+    return "$".join(parts)
+
+
+def test_outlier_panels_link_each_trace_id_to_the_viewer():
+    model = generate.build()["attention-health.json"]
+    variables = {v["name"]: v for v in model["templating"]["list"]}
+    url = variables[generate.VIEWER_VARIABLE]
+    assert url["type"] == "textbox" and url["query"] == url["current"]["value"] == "http://localhost:8000"
+    outliers = [p for p in model["panels"] if p["type"] == "timeseries"]
+    assert len(outliers) == len(generate.HEALTH_METRICS)
+    for p in outliers:
+        # an override on the exemplar field trace_id (not a default: that would link every series value too)
+        (override,) = p["fieldConfig"]["overrides"]
+        assert override["matcher"] == {"id": "byName", "options": "trace_id"}
+        (prop,) = override["properties"]
+        assert prop["id"] == "links"
+        (data_link,) = prop["value"]
+        assert data_link["url"] == "${attn_otel_url:raw}/attn-otel/view/${__value.raw}" and data_link["targetBlank"]
+        assert "links" not in p["fieldConfig"]["defaults"]
+    # the link, as Grafana fills it in for an exemplar, is the viewer's route for that trace id
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    filled = generate.VIEWER_LINK.replace("${attn_otel_url:raw}", "http://vllm-host:8000").replace(
+        "${__value.raw}", trace_id)
+    assert filled == f"http://vllm-host:8000/attn-otel/view/{trace_id}"
+    # and no other panel carries one
+    assert all(not p["fieldConfig"].get("overrides") for p in model["panels"]
+               if p["type"] != "timeseries" and "fieldConfig" in p)
 
 
 def test_exemplar_label_is_the_one_the_exporter_writes(tmp_path):

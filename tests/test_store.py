@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,11 +15,17 @@ from synthetic import big_record, make_record, write
 from zarr.storage import WrapperStore
 
 from attn_otel.ids import InvalidTraceId, new_trace_id
+from attn_otel.metrics import summarize, summary_to_array
 from attn_otel.reader import TraceNotFound, list_captures, open_trace
 from attn_otel.store import (FORMAT_VERSION, MARKER, ROWS_PER_CHUNK, StoreError, capture_prefix, list_trace_ids,
                              open_zarr_store)
 
 FP16_ATOL = 5e-4  # weights are in [0, 1]: float16 keeps 11 significant bits
+# Captures the format-2 store wrote (attn_otel.store at FORMAT_VERSION 2), kept to prove they stay readable:
+# a maps capture with per-row metrics, token ids and a vision mask, and a summary-only capture.
+FORMAT2_STORE = Path(__file__).resolve().parent / "data" / "format2-store"
+FORMAT2_MAPS_TRACE = "0af7651916cd43dd8448eb211c80319c"
+FORMAT2_METRICS_TRACE = "b7ad6b7169203331a3a2d4e1f0c9e8d7"
 
 
 def _marker(record) -> str:
@@ -113,19 +120,39 @@ class StoreContract:
         with pytest.raises(StoreError, match="request_id"):
             open_trace(record.trace_id, backend.url)
 
-    def test_format_1_captures_stay_readable_and_say_so(self, backend):
-        """Format 2 changed the lookback ratio's definition only (Lookback Lens's: the query's own key among
-        the new tokens, from the first generated row on): a format-1 capture is read as stored, and says its
-        format; a format this reader does not know is refused."""
+    def test_format_1_and_2_captures_stay_readable_and_say_so(self, backend):
+        """Captures written by the format-2 store (tests/data/format2-store, from before format 3 moved the
+        per-row metrics beside attn) read back as written; format 1 is format 2's layout whose lookback
+        ratio had another definition: read as stored, and it says its format.  The store writes format 3;
+        a format this reader does not know is refused."""
+        for path in sorted(FORMAT2_STORE.rglob("*")):
+            if path.is_file():
+                backend.put(path.relative_to(FORMAT2_STORE).as_posix(), path.read_bytes())
+        expected = np.load(FORMAT2_STORE.parent / "format2-expected.npz")
+        (maps,) = open_trace(FORMAT2_MAPS_TRACE, backend.url)
+        assert (maps.format, maps.layers, maps.num_heads, maps.num_tokens, maps.prompt_len) == (2, [0, 3], 2, 12, 8)
+        np.testing.assert_array_equal(maps.maps(), expected["a_maps"].astype(np.float32))
+        np.testing.assert_array_equal(maps.token_ids, expected["a_token_ids"])
+        np.testing.assert_array_equal(maps.vision_mask, expected["a_vision"])
+        assert sorted(maps.metrics) == sorted(k.removeprefix("a_metric_") for k in expected
+                                              if k.startswith("a_metric_"))
+        for name, value in maps.metrics.items():
+            np.testing.assert_array_equal(value, expected[f"a_metric_{name}"])
+        (summary_only,) = open_trace(FORMAT2_METRICS_TRACE, backend.url)
+        assert (summary_only.format, summary_only.has_maps, summary_only.has_row_metrics) == (2, False, False)
+        b_metrics = {k.removeprefix("b_metric_"): expected[k] for k in expected if k.startswith("b_metric_")}
+        np.testing.assert_allclose(summary_to_array(summary_only.summary(), 3, 3),
+                                   summary_to_array(summarize(b_metrics, 6), 3, 3), rtol=1e-6)
+        marker = f"traces/{FORMAT2_MAPS_TRACE}/req-maps/{MARKER}"
+        backend.put(marker, json.dumps({**maps.meta, "format": 1}).encode())
+        (old,) = open_trace(FORMAT2_MAPS_TRACE, backend.url)
+        assert old.format == 1
+        np.testing.assert_array_equal(old.metrics["lookback_ratio"], expected["a_metric_lookback_ratio"])
         record, _ = make_record()
         write(backend.url, record)
         (cap,) = open_trace(record.trace_id, backend.url)
-        assert cap.format == FORMAT_VERSION == 2
-        backend.put(_marker(record), json.dumps({**cap.meta, "format": 1}).encode())
-        (old,) = open_trace(record.trace_id, backend.url)
-        assert old.format == 1
-        np.testing.assert_array_equal(old.metrics["lookback_ratio"], record.metrics["lookback_ratio"])
-        backend.put(_marker(record), json.dumps({**cap.meta, "format": 3}).encode())
+        assert cap.format == FORMAT_VERSION == 3
+        backend.put(_marker(record), json.dumps({**cap.meta, "format": 4}).encode())
         with pytest.raises(StoreError, match="unknown format"):
             open_trace(record.trace_id, backend.url)
 
