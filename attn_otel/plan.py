@@ -199,7 +199,7 @@ class Planner:
             model=self.model, engine_version=self.engine_version, mode="maps" if plan.want_maps else "metrics",
             token_ids=tokens, vision_mask=vision_np,
             attrs={**self.attrs, "vision": vision_np is not None, "sink_tokens": self.config.sink_tokens,
-                   **({"finish_reason": req.finish_reason} if req.finish_reason else {})},
+                   **({"finish_reason": req.finish_reason} if getattr(req, "finish_reason", None) else {})},
             part=part, sampled=plan.sampled,
         )
         return record, tokens_dev
