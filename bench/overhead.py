@@ -1,23 +1,26 @@
-"""Capture overhead on production-sized vLLM: throughput and latency ratios to capture off.
+"""Capture overhead on production-sized vLLM: throughput, latency and KV-cache capacity against capture off.
 
 Runs on the GPU machine (vLLM 0.26 from ../shared/tools/gpu-vllm), one engine per configuration, each in
 vLLM's default serving config (CUDA graphs, chunked prefill, prefix caching, multiprocess engine core):
 
-  off              ATTN_OTEL unset
-  auto             ATTN_OTEL=1, default layers: "metrics_default_layers" (every request, metrics) and
-                   "maps_1pct" (the same engine, 1% of requests ask for maps)
-  all              ATTN_OTEL=1 ATTN_OTEL_LAYERS=all: "metrics_all_layers"
-  eager            capture off, enforce_eager, no chunked prefill, no prefix caching: what earlier
-                   attention-capture patches required ("eager_reference")
+  off       ATTN_OTEL unset
+  default   ATTN_OTEL=1 and nothing else: the default 4 layers, maps for the default 1% of requests
+  all       ATTN_OTEL=1 ATTN_OTEL_LAYERS=all
+  eager     capture off, enforce_eager, no chunked prefill, no prefix caching (a reference, no target)
 
+(Each configuration gets a temporary store and stats directory; that is all it is told besides the above.)
 The model is Llama-3-8B-shaped with dummy weights (hidden 4096, 32 layers, 32/8 heads, head_dim 128).
-Workloads: 256 x (512 prompt + 256 output) and 32 x (8k prompt + 128 output), random token ids,
-ignore_eos.  Each workload runs once to warm up, then ``--repeats`` times; the median counts.
+Offline workloads (bench/workloads.py): 512+256, 8k+128, mixed (lognormal lengths, shared system prompts,
+some long requests), kv_bound (more tokens in flight than the cache holds); each runs once to warm up, then
+``--repeats`` times, the median counting.  The online workload (bench/online.py) serves the same model with
+vLLM's OpenAI server under Poisson arrivals at 80% of the capacity measured with capture off.
 
-    python3 bench/overhead.py --phase off --phase auto --phase all --phase eager --out DIR
-    python3 bench/overhead.py --report DIR            # merges phase files into the JSON/Markdown/PNG
+    python3 bench/overhead.py --phase off --phase default --phase all --out DIR   # offline
+    python3 bench/overhead.py --online off --online default --online all --out DIR
+    python3 bench/overhead.py --report --out DIR     # DIR/overhead.json, overhead.png, overhead-table.md
 
-Phases can run in separate calls (results go to DIR/phase-*.json) and are merged by ``--report``.
+Phases can run in separate calls (results go to DIR/phase-*.json and DIR/online-*.json) and are merged by
+``--report``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ LLAMA3_8B = {
     "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
     "bos_token_id": 128000, "eos_token_id": 128001,
 }
-WORKLOADS = {"512+256": (256, 512, 256), "8k+128": (32, 8192, 128)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import online  # noqa: E402
+import workloads  # noqa: E402
+
+WORKLOADS = workloads.NAMES
+PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all"},
+             "eager": {}}
 
 
 def _model_dir() -> str:
@@ -47,13 +56,6 @@ def _model_dir() -> str:
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(LLAMA3_8B))
     return str(d)
-
-
-def _prompts(n: int, length: int, seed: int):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": rng.integers(1000, 120000, length).tolist()} for _ in range(n)]
 
 
 def _cpu_by_thread() -> dict[str, float]:
@@ -94,16 +96,17 @@ def _cpu_delta(before: dict[str, float], after: dict[str, float], top: int = 12)
 
 
 def _run_workload(llm, name: str, maps_fraction: float, seed: int):
+    """One run of workload ``name``; ``maps_fraction`` > 0 asks maps for that share of requests explicitly
+    (the profiles' "maps" runs; the default configuration's own 1% sample needs nothing)."""
     import numpy as np
     from vllm import SamplingParams
 
-    n, plen, olen = WORKLOADS[name]
-    prompts = _prompts(n, plen, seed)
-    params = []
+    reqs = workloads.requests(name, seed)
     every = int(round(1 / maps_fraction)) if maps_fraction else 0
-    for i in range(n):
-        extra = {"attn_otel": "maps"} if every and i % every == 0 else None
-        params.append(SamplingParams(max_tokens=olen, ignore_eos=True, temperature=0.0, extra_args=extra))
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(max_tokens=olen, ignore_eos=True, temperature=0.0,
+                             extra_args={"attn_otel": "maps"} if every and i % every == 0 else None)
+              for i, (_, olen) in enumerate(reqs)]
     cpu0 = _cpu_by_thread()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -117,24 +120,21 @@ def _run_workload(llm, name: str, maps_fraction: float, seed: int):
     def pct(v, q):
         return float(np.quantile(v, q)) if v else None
 
-    return {"output_tokens_per_s": out_tokens / wall, "wall_s": wall, "requests": n,
-            "maps_requests": sum(1 for p in params if p.extra_args),
+    return {"output_tokens_per_s": out_tokens / wall, "wall_s": wall, "requests": len(reqs),
+            "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
             "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
             "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
             "cpu_s": cpu}  # CPU seconds in the run, by process/thread (the busiest)
 
 
-def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict:
+def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-{phase}-"))
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
-    env = {"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), "ATTN_OTEL_MAPS_SAMPLE": "0"}
-    for k in ("ATTN_OTEL", "ATTN_OTEL_LAYERS"):
+    env = {"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), **PHASE_ENV[phase]}
+    for k in [k for k in os.environ if k.startswith("ATTN_OTEL")]:
         os.environ.pop(k, None)
     kwargs = dict(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
                   gpu_memory_utilization=0.9, seed=0, disable_log_stats=False)
-    if phase in ("auto", "all"):
-        env["ATTN_OTEL"] = "1"
-        env["ATTN_OTEL_LAYERS"] = phase
     if phase == "eager":
         kwargs.update(enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False)
     os.environ.update(env)
@@ -150,7 +150,7 @@ def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict
     import vllm
 
     kv_write = None  # as the capture engine reads it (a bad value: its default)
-    if phase in ("auto", "all"):
+    if phase in ("default", "all"):
         from attn_otel.config import Config
 
         kv_write = Config.from_env().kv_write
@@ -160,15 +160,13 @@ def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict
               "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
               "kv_write": kv_write}
-    variants = [("metrics", 0.0)] + ([("maps_1pct", 0.01)] if phase == "auto" else [])
-    for wl in workloads:
-        for label, frac in variants:
-            _run_workload(llm, wl, frac, seed=99)  # warm-up (prefix cache stays cold: other seeds below)
-            runs = [_run_workload(llm, wl, frac, seed=s) for s in range(repeats)]
-            best = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
-            result["runs"][f"{wl}/{label}"] = best | {"all_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
-            print(f"[{phase}] {wl} {label}: {best['output_tokens_per_s']:.0f} tok/s "
-                  f"(runs {[round(r['output_tokens_per_s']) for r in runs]})", flush=True)
+    for wl in wls:
+        _run_workload(llm, wl, 0.0, seed=99)  # warm-up (prefix cache stays cold: other seeds below)
+        runs = [_run_workload(llm, wl, 0.0, seed=s) for s in range(repeats)]
+        best = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
+        result["runs"][wl] = best | {"all_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+        print(f"[{phase}] {wl}: {best['output_tokens_per_s']:.0f} tok/s "
+              f"(runs {[round(r['output_tokens_per_s']) for r in runs]})", flush=True)
     del llm
     gc.collect()
     time.sleep(5)  # the engine core process writes its last stats at exit
@@ -182,11 +180,9 @@ def run_phase(phase: str, out: Path, repeats: int, workloads: list[str]) -> dict
 def _profile_llm(phase: str, **kwargs):
     """The engine of ``phase`` for a profile (capture settings as in :func:`run_phase`, no stats dir)."""
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
-    for k in ("ATTN_OTEL", "ATTN_OTEL_LAYERS"):
+    for k in [k for k in os.environ if k.startswith("ATTN_OTEL")]:
         os.environ.pop(k, None)
-    os.environ.update({"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "0"})
-    if phase in ("auto", "all"):
-        os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": phase})
+    os.environ.update({"ATTN_OTEL_STORE": str(store), **PHASE_ENV[phase]})
     from vllm import LLM
 
     return LLM(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
@@ -251,52 +247,126 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, m
         t.unlink()
 
 
+def run_online(phase: str, out: Path, repeats: int) -> dict:
+    """The online workload for ``phase``: its own OpenAI server; the capacity from DIR/online-off.json (the
+    off phase measures it, so run it first)."""
+    model = _model_dir()
+    online.add_tokenizer(model, LLAMA3_8B["vocab_size"])
+    stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-online-{phase}-"))
+    store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-online-{phase}-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_OTEL")}
+    env.update({"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), **PHASE_ENV[phase]})
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    t0 = time.perf_counter()
+    proc = online.start_server(model, {}, out / f"online-{phase}.log")
+    result = {"phase": phase, "engine_start_s": time.perf_counter() - t0, "runs": []}
+    try:
+        online.run_load(2.0, seed=98)  # warm-up: compile and capture what a light load needs
+        if phase == "off":
+            result["capacity_req_s"] = online.capacity()
+        else:
+            result["capacity_req_s"] = json.loads((out / "online-off.json").read_text())["capacity_req_s"]
+        rate = online.LOAD * result["capacity_req_s"]
+        online.run_load(rate, seed=97)  # warm-up at the measured rate
+        result["runs"] = [online.run_load(rate, seed=s) for s in range(repeats)]
+        for r in result["runs"]:
+            print(f"[online {phase}] {r['output_tokens_per_s']:.0f} tok/s, TTFT p99 {r['ttft_p99_s']:.3f} s, "
+                  f"ITL p99 {r['itl_p99_s'] * 1000:.1f} ms, goodput {r['goodput_req_s']:.2f} req/s", flush=True)
+    finally:
+        online.stop_server(proc)
+        os.environ.clear()
+        os.environ.update(saved)
+    files = sorted(stats_dir.glob("attn-otel-stats-*.json"))
+    if files:
+        result["capture"] = json.loads(files[-1].read_text())
+    (out / f"online-{phase}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _median(runs: list[dict], key: str) -> float | None:
+    vals = sorted(r[key] for r in runs if r.get(key) is not None)
+    return vals[len(vals) // 2] if vals else None
+
+
 def report(out: Path, device: str | None = None, vllm_version: str | None = None) -> dict:
+    """Merge DIR/phase-*.json and DIR/online-*.json into overhead.json, overhead-table.md and overhead.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     phases = {p["phase"]: p for p in (json.loads(f.read_text()) for f in sorted(out.glob("phase-*.json")))}
-    off = phases["off"]
+    onl = {p["phase"]: p for p in (json.loads(f.read_text()) for f in sorted(out.glob("online-*.json")))}
+    off = phases.get("off", {})
+    configs = {"default": "default", "all_layers": "all"}
 
-    def ratio(phase, key):
-        a = phases.get(phase, {}).get("runs", {}).get(key)
-        b = off["runs"].get(key.split("/")[0] + "/metrics")
+    def ratio(phase, wl):
+        a = phases.get(phase, {}).get("runs", {}).get(wl)
+        b = off.get("runs", {}).get(wl)
         return a["output_tokens_per_s"] / b["output_tokens_per_s"] if a and b else None
 
-    table = {}
+    wls: dict[str, dict] = {}
     for wl in WORKLOADS:
-        table[wl] = {"metrics_default_layers": ratio("auto", f"{wl}/metrics"),
-                     "metrics_all_layers": ratio("all", f"{wl}/metrics"),
-                     "maps_1pct": ratio("auto", f"{wl}/maps_1pct"),
-                     "eager_reference": ratio("eager", f"{wl}/metrics")}
+        wls[wl] = {"ratios": {c: ratio(p, wl) for c, p in configs.items()},
+                   "off_tokens_per_s": off.get("runs", {}).get(wl, {}).get("output_tokens_per_s"),
+                   "shape": workloads.summary(wl)}
+    if "off" in onl:
+        o = onl["off"]["runs"]
+        entry = {"ratios": {}, "rate_req_s": online.LOAD * onl["off"]["capacity_req_s"],
+                 "capacity_req_s": onl["off"]["capacity_req_s"], "slo": {"ttft_s": online.SLO_TTFT_S,
+                                                                         "itl_s": online.SLO_ITL_S}}
+        for c, p in configs.items():
+            runs = onl.get(p, {}).get("runs")
+            if not runs:
+                entry["ratios"][c] = None
+                continue
+            entry["ratios"][c] = _median(runs, "output_tokens_per_s") / _median(o, "output_tokens_per_s")
+            for k in ("ttft_p99_s", "itl_p99_s", "goodput_req_s", "ttft_p50_s", "itl_p50_s"):
+                entry.setdefault(f"{k[:-2]}_ratio", {})[c] = _median(runs, k) / _median(o, k)
+        entry["ttft_p99_ratio"] = entry.get("ttft_p99_ratio", {}).get("default")
+        entry["itl_p99_ratio"] = entry.get("itl_p99_ratio", {}).get("default")
+        entry["off"] = {k: _median(o, k) for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
+                                                   "itl_p99_s", "goodput_req_s")}
+        wls["online"] = entry
+    kv = {c: (phases[p]["kv_cache_tokens"] / off["kv_cache_tokens"]) if p in phases and off else None
+          for c, p in configs.items()}
     doc = {
-        "device": off.get("device", device),
-        "vllm_version": off.get("vllm_version", vllm_version),
+        "device": off.get("device", device), "vllm_version": off.get("vllm_version", vllm_version),
         "date": datetime.date.today().isoformat(),
         "model": "Llama-3-8B-shaped, load_format=dummy, bf16",
-        "command": "python3 bench/overhead.py --phase off --phase auto --phase all --phase eager --out DIR "
-                   "&& python3 bench/overhead.py --report --out DIR",
-        "ratios": table["512+256"],
-        "ratios_8k": table["8k+128"],
-        "phases": phases,
+        "command": "python3 bench/overhead.py --phase off --phase default --phase all --out DIR; "
+                   "python3 bench/overhead.py --online off --online default --online all --out DIR; "
+                   "python3 bench/overhead.py --report --out DIR",
+        "workloads": wls, "kv_capacity": kv,
+        "kv_cache_tokens": {p: phases[p]["kv_cache_tokens"] for p in phases},
+        "phases": phases, "online": onl,
     }
     (out / "overhead.json").write_text(json.dumps(doc, indent=1))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["metrics_default_layers", "metrics_all_layers", "maps_1pct", "eager_reference"]
-    for ax, wl in zip(axes, WORKLOADS):
-        vals = [table[wl][n] for n in names]
-        bars = ax.bar(range(len(names)), [v or 0 for v in vals], color=["#4c72b0", "#dd8452", "#55a868", "#8c8c8c"])
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(range(len(names)), ["metrics\ndefault layers", "metrics\nall layers", "maps 1%",
-                                          "eager, no chunked\nprefill/prefix cache"], fontsize=8)
-        ax.set_ylim(0, 1.15)
-        ax.set_title(f"{wl}: output throughput / capture off")
-        for b, v in zip(bars, vals):
-            ax.text(b.get_x() + b.get_width() / 2, (v or 0) + 0.02, "not run" if v is None else f"{v:.3f}",
-                    ha="center", fontsize=8)
-    fig.suptitle(f"attn-otel overhead, {doc['device']}, vLLM {doc['vllm_version']}, Llama-3-8B shape")
+    names = list(wls)
+    lines = ["| workload | default | all layers |", "| --- | --- | --- |"]
+    for wl in names:
+        r = wls[wl]["ratios"]
+        lines.append(f"| {wl} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:.3f}" for c in configs) + " |")
+    lines.append("| KV-cache capacity | " + " | ".join("-" if kv[c] is None else f"{kv[c]:.3f}" for c in configs) + " |")
+    (out / "overhead-table.md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.38
+    for k, (c, color) in enumerate(zip(configs, ["#4c72b0", "#dd8452"])):
+        vals = [wls[wl]["ratios"].get(c) for wl in names] + [kv[c]]
+        xs = [i + (k - 0.5) * width for i in range(len(vals))]
+        bars = ax.bar(xs, [v or 0 for v in vals], width, color=color, label=c.replace("_", " "))
+        for b_, v in zip(bars, vals):
+            ax.text(b_.get_x() + b_.get_width() / 2, (v or 0) + 0.01, "-" if v is None else f"{v:.3f}",
+                    ha="center", fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(names) + 1), [*names, "KV-cache\ncapacity"])
+    ax.set_ylim(0.6, 1.1)
+    ax.set_ylabel("ratio to capture off")
+    ax.legend(loc="lower right")
+    ax.set_title(f"attn-otel overhead: throughput (online: at 80% load) and KV capacity, {doc['device']}, "
+                 f"vLLM {doc['vllm_version']}, Llama-3-8B shape", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "overhead.png", dpi=120)
     return doc
@@ -304,16 +374,18 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase", action="append", choices=["off", "auto", "all", "eager"], default=[])
+    ap.add_argument("--phase", action="append", choices=list(PHASE_ENV), default=[])
+    ap.add_argument("--online", action="append", choices=["off", "default", "all"], default=[],
+                    help="the online workload for this configuration (run off first)")
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), default=[])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     ap.add_argument("--report", action="store_true", help="merge the phase files in --out")
     ap.add_argument("--device", help="device name for phase files that lack it")
     ap.add_argument("--vllm-version", help="vLLM version for phase files that lack it")
-    ap.add_argument("--profile", choices=["off", "auto", "all"],
+    ap.add_argument("--profile", choices=["off", "default", "all"],
                     help="profile one warm run of this phase (first --workload) instead of measuring")
-    ap.add_argument("--engine-profile", choices=["off", "auto", "all"],
+    ap.add_argument("--engine-profile", choices=["off", "default", "all"],
                     help="the same through vLLM's profiler, in the multiprocess engine core")
     ap.add_argument("--stacks", action="store_true", help="with --engine-profile: record Python stacks (slow)")
     ap.add_argument("--maps", action="store_true", help="with --engine-profile: profile the maps-for-1%% run")
@@ -328,9 +400,12 @@ def main(argv=None) -> int:
         return 0
     for phase in args.phase:
         run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS))
+    for phase in args.online:
+        run_online(phase, args.out, args.repeats)
     if args.report:
         doc = report(args.out, args.device, args.vllm_version)
-        print(json.dumps({"ratios": doc["ratios"], "ratios_8k": doc["ratios_8k"]}, indent=1))
+        print(json.dumps({"workloads": {k: v["ratios"] for k, v in doc["workloads"].items()},
+                          "kv_capacity": doc["kv_capacity"]}, indent=1))
     return 0
 
 
