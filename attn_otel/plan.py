@@ -112,13 +112,12 @@ class Planner:
         if opts.traceparent:  # valid: parse_request_options kept only what OpenTelemetry's propagator accepts
             trace_id, parent = parse_traceparent(opts.traceparent)  # type: ignore[misc]
             sampled = traceparent_sampled(opts.traceparent)
-        if planned_maps is not None:
-            want_maps = planned_maps
-        else:
-            want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))
+        want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))
         if want_maps and T > self.config.max_map_tokens:
             self.stats.add("skipped", reason="map_too_long")
             want_maps = False
+        if planned_maps is not None:  # the arrival decision stands (it knew the prompt's length only)
+            want_maps = want_maps and planned_maps
         if want_maps and self.maptap is not None and not self.maptap.complete(req.request_id, T):
             # its queries were not all kept: a prefix-cache hit (no arrival decision), or the map tap was full
             self.stats.add("skipped", reason="map_rows_missing")

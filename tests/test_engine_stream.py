@@ -82,7 +82,7 @@ def streamed_run(smollm2_path, tmp_path_factory):
 def test_streamed_engine_ran_every_path(streamed_run):
     res, _ = streamed_run
     assert res["map_layers"] == [0, 10, 19, 29]
-    assert res["streamed"] == [i for i in range(30) if i not in (0, 10, 19, 29)]
+    assert res["streamed"] == list(range(30))  # every plain layer; the map layers also keep a map tap
     assert res["keys_tapped"] == res["streamed"]  # the CPU backend's cache layout is not read; keys are tapped
     assert res["ring_rows"] == 64
     assert res["preempted"] > 0, "the 20-block cache was meant to force preemptions"
