@@ -124,7 +124,7 @@ class ComputeThread:
                     map_rows = self.maptap.rows_of(plan.req.request_id, plan.T)
                 qk.append((self.maptap.gather(spec.index, map_rows),
                            keys_at(self.stream.keys[spec.index], slots_by_group[spec.group], self.tap.dtype)))
-                checks.append(self.maptap.gather_check(spec.index, map_rows, slots_by_group[spec.group], keys_at))
+                checks.append(self.maptap.gather_check(spec.index, map_rows, slots_by_group[spec.group]))
             elif spec.index in self.streamed:
                 checks.append(None)
                 qk.append(None)

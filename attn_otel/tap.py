@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from . import triton_metrics
 from .slots import slots_of, upload
-from .stream import MetricsStream
+from .stream import MetricsStream, keys_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,12 +176,12 @@ class MapTap:
         triton_metrics.scatter_rows(self.out[layer], output, slot_mapping, self.num_slots, table=self.row_of_slot)
 
     # ------------------------------------------------------------------ engine loop, before a forward
-    def schedule(self, items: Sequence[tuple[str, Any, int, int]], planned: Callable[[Any], bool]) -> None:
-        """This step's tokens ``(request id, tracked record, first position, count)``: rows for the planned
-        requests' positions, and their slots pointed at them."""
+    def schedule(self, items: Sequence[tuple[str, Any, int, int]]) -> None:
+        """This step's tokens ``(request id, tracked record, first position, count)``: rows for the positions
+        of the requests planned for maps (``tracked.maps``), and their slots pointed at them."""
         slots_l, rows_l = [], []
         for req_id, tracked, start, n in items:
-            if n <= 0 or not planned(tracked):
+            if n <= 0 or not tracked.maps:
                 continue
             r = self._reqs.get(req_id)
             if r is None:
@@ -243,7 +243,7 @@ class MapTap:
     def gather(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         return self.q[layer].index_select(0, rows)
 
-    def gather_check(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, keys_at) -> tuple | None:
+    def gather_check(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> tuple | None:
         """``(values [T, Hkv, Dv] as the attention read them, v_scale, outputs [T, Hq, Dv])`` of ``layer``
         for ATTN_OTEL_VERIFY, or None where it is off."""
         out = self.out.get(layer)

@@ -843,10 +843,6 @@ def _before_step(orig, runner, scheduler_output, *args, **kwargs):
     return orig(runner, scheduler_output, *args, **kwargs)
 
 
-def _planned_maps(tracked) -> bool:
-    return tracked.maps
-
-
 def _track(runner, engine, so) -> None:
     from .tracking import FinishedRequest
 
@@ -911,5 +907,5 @@ def _track(runner, engine, so) -> None:
     if stream is not None:
         stream.schedule(items)
     if maptap is not None:
-        maptap.schedule(items, _planned_maps)
+        maptap.schedule(items)
     side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads
