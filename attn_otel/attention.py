@@ -171,15 +171,20 @@ def vision_mask(ranges) -> "np.ndarray":
     return mask
 
 
-def reconstruction_error(maps: torch.Tensor, values: torch.Tensor, v_scale: float, out: torch.Tensor) -> torch.Tensor:
+def reconstruction_error(maps: torch.Tensor, values: torch.Tensor, v_scale: float, out: torch.Tensor,
+                         v_up: torch.Tensor | None = None) -> torch.Tensor:
     """``|A V - O| / |O|`` per row and head (flat, float32): maps ``[Hq, T, T]`` times values ``[T, Hkv, Dv]``
     (times ``v_scale``; query head h reads KV head ``h // (Hq / Hkv)``) against the attention output
-    ``[T, Hq, Dv]`` as the backend computed it.  One head at a time: memory of one ``[T, T]`` float32 map."""
+    ``[T, Hq, Dv]`` as the backend computed it.  MLA: values are the latent rows ``[T, 1, L]`` and ``v_up``
+    (``W_UV``, ``[Hq, L, Dv]``) takes head h's result to its output.  One head at a time: memory of one
+    ``[T, T]`` float32 map."""
     hq, hkv = maps.shape[0], values.shape[1]
     errs = []
     for h in range(hq):
         v = values[:, h // (hq // hkv)].float() * float(v_scale)
         o = out[:, h].float()
         rec = maps[h].float() @ v
+        if v_up is not None:
+            rec = rec @ v_up[h].float()
         errs.append((rec - o).norm(dim=-1) / o.norm(dim=-1).clamp_min(1e-12))
     return torch.stack(errs).reshape(-1)

@@ -71,7 +71,7 @@ class CaptureEngine:
                               stream.block_size, stream.group, self.side) if mapped else None)
         self.fused_kv_layers = 0  # layers whose K/V write to vLLM's cache shares the Q write's launch (adapter)
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
-        self._fused = triton_metrics.available(self.device)
+        self._fused = triton_metrics.available(self.device, [s.head_dim for s in layers])
         self.stats = Stats()
         self.warn_once = WarnOnce()
         self.maps_pool = SegmentPool(config.queue_bytes)

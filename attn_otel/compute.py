@@ -217,7 +217,7 @@ class ComputeThread:
                         c[0].record_stream(self._stream)
                         c[2].record_stream(self._stream)
             vision = torch.from_numpy(rec.vision_mask).to(self.device) if rec.vision_mask is not None else None
-            fused = cuda and not p.want_maps and triton_metrics.available(self.device)
+            fused = cuda and not p.want_maps and triton_metrics.available(self.device, [s.head_dim for s in layers])
             errors: list[torch.Tensor] = []
             for li, (spec, qk) in enumerate(zip(layers, p.qk)):
                 if qk is None:  # streamed: computed while the request ran

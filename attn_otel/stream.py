@@ -503,7 +503,7 @@ class FlushKernels:
         self.q, self.keys, self.metrics = q, keys, metrics
         self.sink_tokens = sink_tokens
         self.device = device
-        self.fused = triton_metrics.available(device)
+        self.fused = triton_metrics.available(device, [s.head_dim for s in layers])
         # one launch for every layer where their keys allow it (vLLM's per-layer caches: one shape and dtype)
         self._layered = None
         if self.fused and len({s.scale for s in layers}) == 1:

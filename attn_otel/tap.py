@@ -37,6 +37,10 @@ class LayerSpec:
     window: int = 0  # sliding window W (row i sees keys i-W+1 .. i); 0: none
     sinks: tuple[float, ...] | None = None  # learned sink logit per query head (this rank's heads); None: none
     slots_from: str = ""  # a full-attention layer whose slot mapping indexes this (windowed) layer's tap
+    # MLA: the latent rank L (kv_lora_rank).  Such a layer is captured as the multi-query attention vLLM's
+    # decode path runs: one KV head of ``head_dim = L + rope`` (the latent cache row ``[c_kv | k_pe]``), queries
+    # absorbed (``[q_nope W_UK^T | q_pe]``), values ``c_kv`` up-projected per head by ``W_UV``.  0: not MLA.
+    latent: int = 0
 
     @property
     def plain(self) -> bool:
@@ -141,6 +145,7 @@ class MapTap:
         self.out: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}  # V rows, where no cache view is given
         self.values: dict[int, tuple[torch.Tensor, float]] = {}  # [blocks, bs, Hkv, Dv] cache view, v_scale
+        self.v_up: dict[int, torch.Tensor] = {}  # MLA: W_UV [Hq, L, Dv], the values' per-head up-projection
         self._free = list(range(self.rows - 1, -1, -1))
         self._inflight: list[tuple[int, list[int]]] = []  # rows a finish-time gather still reads
         self._reqs: dict[str, _Planned] = {}
@@ -154,15 +159,19 @@ class MapTap:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.q.values(), self.row_of_slot))
 
-    def verify(self, layer: int, head_dim_v: int, value_cache: tuple[torch.Tensor, float] | None) -> None:
-        """Keep ``layer``'s output rows (and its value rows unless ``value_cache`` gives vLLM's values)."""
+    def verify(self, layer: int, head_dim_v: int, value_cache: tuple[torch.Tensor, float] | None,
+               v_up: torch.Tensor | None = None) -> None:
+        """Keep ``layer``'s output rows (and its value rows unless ``value_cache`` gives vLLM's values); an MLA
+        layer's values are its latent rows, up-projected per head by ``v_up`` (``W_UV``) at the check."""
         s = self.layers[layer]
         self.out[layer] = torch.zeros((self.rows + 1, s.num_heads, head_dim_v), dtype=self.dtype, device=self.device)
+        if v_up is not None:
+            self.v_up[layer] = v_up
         if value_cache is not None:
             self.values[layer] = value_cache
         else:
-            self.v[layer] = torch.zeros((self.rows + 1, s.num_kv_heads, head_dim_v), dtype=self.dtype,
-                                        device=self.device)
+            width = s.latent if v_up is not None else head_dim_v
+            self.v[layer] = torch.zeros((self.rows + 1, s.num_kv_heads, width), dtype=self.dtype, device=self.device)
 
     def write(self, layer: int, query: torch.Tensor, slot_mapping: torch.Tensor,
               value: torch.Tensor | None = None) -> None:
@@ -245,7 +254,7 @@ class MapTap:
 
     def gather_check(self, layer: int, rows: torch.Tensor, slots: torch.Tensor) -> tuple | None:
         """``(values [T, Hkv, Dv] as the attention read them, v_scale, outputs [T, Hq, Dv])`` of ``layer``
-        for ATTN_OTEL_VERIFY, or None where it is off."""
+        for ATTN_OTEL_VERIFY (MLA: values ``[T, 1, L]`` and ``W_UV`` fourth), or None where it is off."""
         out = self.out.get(layer)
         if out is None:
             return None
@@ -254,7 +263,8 @@ class MapTap:
             v = keys_at(cache, slots, self.dtype)
         else:
             v, v_scale = self.v[layer].index_select(0, rows), 1.0
-        return v, v_scale, out.index_select(0, rows)
+        up = self.v_up.get(layer)
+        return (v, v_scale, out.index_select(0, rows)) + ((up,) if up is not None else ())
 
     def release(self, req_ids, seq: int = 0) -> None:
         """Finished requests (after their gathers were enqueued, as work ``seq`` of the side stream): their

@@ -27,17 +27,19 @@ except ImportError:  # pragma: no cover - CPU builds
     triton = None
 
 
-def available(device: torch.device) -> bool:
-    return triton is not None and device.type == "cuda"
+def available(device: torch.device, head_dims=()) -> bool:
+    """Triton kernels on this device (and, with ``head_dims``, for every one of them: see
+    :func:`split_head_dim`)."""
+    return triton is not None and device.type == "cuda" and all(split_head_dim(d) is not None for d in head_dims)
 
 
 if triton is not None:
 
     @triton.jit
-    def _tile(q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+    def _tile(q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
               m_i, l_i, h1, vis, ctx, gen,
               HAS_VISION: tl.constexpr, MASKED: tl.constexpr, CTX: tl.constexpr,
-              D: tl.constexpr, BLOCK_N: tl.constexpr):
+              D: tl.constexpr, D2: tl.constexpr, BLOCK_N: tl.constexpr):
         # One tile of BLOCK_N keys against the program's rows, folded into the online sums (base 2: s is the
         # logit times log2(e), every sum is relative to the running max m_i and rescaled when it grows).
         # m_i starts at -1e30, not -inf, so the first tile needs no case of its own (alpha = 0, and
@@ -45,6 +47,7 @@ if triton is not None:
         # Every row's first tile holds key 0, so no row meets a tile of masked keys before a real max.
         # MASKED: the tile may hold keys after a row (causal) or past T; else every key is <= every row.
         # CTX: 0 every key is at or after the prompt (generated), 1 every key is in the prompt, 2 either.
+        # D2 > 0: a head_dim of D + D2 (both powers of two, e.g. MLA's 512 + 64), q2 the query's last D2.
         cols = kstart + tl.arange(0, BLOCK_N)
         dd = tl.arange(0, D)
         if MASKED:
@@ -56,6 +59,10 @@ if triton is not None:
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :]).to(q.dtype)  # fp8: exact
         s = tl.dot(q, tl.trans(kt))  # the logits; c > 0 scales them to base 2 in the one FMA that gives d
+        if D2 > 0:
+            d2 = D + tl.arange(0, D2)
+            kt2 = tl.load(K + koff + kaddr[:, None] + d2[None, :], mask=(cols < T)[:, None], other=0.0).to(q.dtype)
+            s += tl.dot(q2, tl.trans(kt2))
         if MASKED:
             s = tl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] < T), s, -1e30)
         m_new = tl.maximum(m_i, tl.max(s, 1) * c)
@@ -90,7 +97,8 @@ if triton is not None:
     def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, KS, scale, BS, HEADS, GROUP, NHG,
                      sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
                      HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, LAYERED: tl.constexpr,
-                     HG: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                     HG: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
         # Request b: its query rows are positions A[b] .. A[b] + n - 1 (n = CUQ[b+1] - CUQ[b]), read from Q
         # at rows QR[CUQ[b] + i]; its keys are positions 0 .. T - 1 (T = CUK[b+1] - CUK[b] = A[b] + n), read
         # at slots KSL[CUK[b] + j] of a paged K (block KSL // BS, offset KSL % BS; a tap is BS = 1).
@@ -127,6 +135,11 @@ if triton is not None:
         dd = tl.arange(0, D)
         qrow = tl.load(QR + qstart + local, mask=row_ok, other=0)
         q = tl.load(Q + qrow[:, None] * sq_t + hh[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
+        if D2 > 0:
+            q2 = tl.load(Q + qrow[:, None] * sq_t + hh[:, None] * sq_h + D + tl.arange(0, D2)[None, :],
+                         mask=row_ok[:, None], other=0.0)
+        else:
+            q2 = q
         c = scale * 1.4426950408889634  # logits in base 2
         r0 = a + pid_m * BLOCK_R  # the block's first row
         hi = tl.minimum(r0 + BLOCK_R, T)  # keys needed: up to the block's last row
@@ -145,20 +158,20 @@ if triton is not None:
         # keys into prompt and generated.
         for kstart in range(0, nf, BLOCK_N):
             m_i, l_i, h1, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 1, D, BLOCK_N)
+                q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 1, D, D2, BLOCK_N)
         for kstart in range(nf, nc, BLOCK_N):
             m_i, l_i, h1, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 2, D, BLOCK_N)
+                q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 2, D, D2, BLOCK_N)
         for kstart in range(nc, lo, BLOCK_N):
             m_i, l_i, h1, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 0, D, BLOCK_N)
+                q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 0, D, D2, BLOCK_N)
         for kstart in range(lo, hi, BLOCK_N):
             m_i, l_i, h1, vis, ctx, gen = _tile(
-                q, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, True, 2, D, BLOCK_N)
+                q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, True, 2, D, D2, BLOCK_N)
         # The sink sums, once the max is final: the first KS keys again, in tiles of 16 (not a running sum
         # carried through every tile; rows before KS get NaN, so every sink key here is at or before its row).
         s0 = tl.zeros([BLOCK_M], tl.float32)
@@ -169,7 +182,12 @@ if triton is not None:
             scol = tl.load(KSL + kstart0 + cols, mask=ok, other=0)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-            e = tl.exp2(tl.dot(q, tl.trans(kt)) * c - m_i[:, None])
+            sl = tl.dot(q, tl.trans(kt))
+            if D2 > 0:
+                kt2 = tl.load(K + koff + kaddr[:, None] + D + tl.arange(0, D2)[None, :], mask=ok[:, None],
+                              other=0.0).to(q.dtype)
+                sl += tl.dot(q2, tl.trans(kt2))
+            e = tl.exp2(sl * c - m_i[:, None])
             e = tl.where(ok[None, :] & (cols[None, :] <= rows[:, None]), e, 0.0)
             s0 += tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
             sk += tl.sum(e, 1)
@@ -554,10 +572,25 @@ CONFIG: dict[str, int] = {}
 
 
 def _config(hg: int, d: int) -> tuple[int, int, int, int]:
+    if d > 256:  # MLA's 576-wide latent rows: a smaller tile (the query block alone is 64 x 576 values)
+        block_m = int(CONFIG.get("block_m", 64))
+        block_r = max(block_m // hg, max(1, 16 // hg))
+        return (block_r, int(CONFIG.get("block_n", 32)), int(CONFIG.get("num_warps", 8)),
+                int(CONFIG.get("num_stages", 2)))
     block_m = int(CONFIG.get("block_m", 128))
     block_r = max(16, block_m // hg)
     return (block_r, int(CONFIG.get("block_n", 128 if d <= 128 else 64)), int(CONFIG.get("num_warps", 4)),
             int(CONFIG.get("num_stages", 2)))
+
+
+def split_head_dim(d: int) -> tuple[int, int] | None:
+    """``(D, D2)``: a head_dim as the kernel's power-of-two part and power-of-two tail (0: none), e.g. MLA's
+    576 = 512 + 64; None where it is neither (the torch path computes such layers)."""
+    p = 1 << (int(d).bit_length() - 1)
+    tail = int(d) - p
+    if p < 16 or (tail and (tail < 16 or tail & (tail - 1))):
+        return None
+    return p, tail
 
 
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
@@ -567,6 +600,9 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
     it, int64 on the device)."""
     hq, d = q.shape[1], q.shape[2]
     hkv = key_cache.shape[2]
+    split = split_head_dim(d)
+    if split is None:
+        raise ValueError(f"head_dim {d} is not a power of two or a power of two plus a smaller one")
     B = cu_rows.shape[0] - 1
     has_vision = vision_mask is not None
     vm = vision_mask if has_vision else out  # unused pointers
@@ -579,8 +615,8 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
                        int(sink_tokens), float(scale), int(key_cache.shape[1]), heads, hq // hkv, hq // heads,
                        sq_l, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                        so_l, so_r, so_m, so_h,
-                       HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None, HG=hg, D=d,
-                       BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+                       HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None, HG=hg, D=split[0],
+                       D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
 def row_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int, sink_tokens: int = 4,

@@ -300,10 +300,41 @@ def _wrap(cls, name: str, wrapper) -> None:
 def _attention_layers(static_forward_context) -> dict[str, object]:
     from vllm.model_executor.layers.attention.attention import Attention
 
-    return {name: m for name, m in static_forward_context.items() if isinstance(m, Attention)}
+    kinds = (Attention, *_mla_classes())
+    return {name: m for name, m in static_forward_context.items() if isinstance(m, kinds)}
+
+
+def _mla_classes() -> tuple:
+    try:
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    except Exception:  # noqa: BLE001 - a build without MLA
+        return ()
+    return (MLAAttention,)
+
+
+def _is_mla(layer) -> bool:
+    return isinstance(layer, _mla_classes())
+
+
+def _mla_refusal(layer) -> str | None:
+    """Why an MLA layer cannot be captured exactly (or None).  attn-otel reads the latent cache row
+    ``[c_kv | k_pe]`` as it is (an unquantised cache) and absorbs the queries with the layer's own ``W_UK^T``."""
+    if getattr(layer, "use_sparse", False) or getattr(layer, "indexer", None) is not None:
+        return "sparse MLA (top-k indexer)"
+    dtype = str(getattr(layer, "kv_cache_dtype", "auto") or "auto")
+    if dtype != "auto":
+        return f"MLA with a {dtype} KV cache"
+    if getattr(layer, "use_pcp", False) or int(getattr(getattr(layer, "impl", None), "dcp_world_size", 1) or 1) > 1:
+        return "MLA under context parallelism"
+    if not isinstance(getattr(layer, "W_UK_T", None), __import__("torch").Tensor) or not isinstance(
+            getattr(layer, "W_UV", None), __import__("torch").Tensor):
+        return "MLA with quantised W_UK/W_UV (no absorbed weights kept)"
+    return None
 
 
 def _refusal(layer) -> str | None:
+    if _is_mla(layer):
+        return _mla_refusal(layer)
     impl = layer.impl
     attn_type = str(getattr(impl, "attn_type", "decoder")).lower()
     if "decoder" not in attn_type or "encoder" in attn_type:
@@ -354,9 +385,11 @@ def _window_groups(specs, kv_cache_config):
     import dataclasses
 
     groups = kv_cache_config.kv_cache_groups
-    freeing = {g for g, grp in enumerate(groups) if type(grp.kv_cache_spec).__name__ != "FullAttentionSpec"}
-    full = [g for g, grp in enumerate(groups) if type(grp.kv_cache_spec).__name__ == "FullAttentionSpec"
-            and grp.layer_names]
+    def keeps_all(spec) -> bool:  # FullAttentionSpec or a subclass of it (MLAAttentionSpec)
+        return any(c.__name__ == "FullAttentionSpec" for c in type(spec).__mro__)
+
+    freeing = {g for g, grp in enumerate(groups) if not keeps_all(grp.kv_cache_spec)}
+    full = [g for g, grp in enumerate(groups) if keeps_all(grp.kv_cache_spec) and grp.layer_names]
     kept, refused = [], []
     for s in specs:
         if s.group not in freeing:
@@ -390,7 +423,7 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
             continue
         by_index[extract_layer_index(name)] = (name, layer)
     for name in sorted(all_names - set(attn)):
-        refused.append(f"{name} (not standard softmax attention, e.g. MLA or linear)")
+        refused.append(f"{name} (not softmax attention: {type(ctx[name]).__name__})")
     num_layers = _total_layers(runner, max(by_index) + 1 if by_index else 0)
     wanted = resolve_layers(config.layers, num_layers)
     specs = []
@@ -398,6 +431,9 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
         if i not in by_index:
             continue
         name, layer = by_index[i]
+        if _is_mla(layer):
+            specs.append(_mla_spec(i, name, layer, (groups_by_layer or {}).get(name, 0)))
+            continue
         impl = layer.impl
         specs.append(LayerSpec(index=i, name=name, num_heads=int(impl.num_heads), num_kv_heads=int(impl.num_kv_heads),
                                head_dim=int(impl.head_size), scale=float(impl.scale) * _fp8_terms(layer)[0],
@@ -408,6 +444,16 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
                            len(refused), ", ".join(refused[:8]) + (" ..." if len(refused) > 8 else ""))
         logger.info("attn-otel: capturing layers %s of %d", [s.index for s in specs], num_layers)
     return specs, {s.name: attn[s.name] for s in specs}
+
+
+def _mla_spec(index: int, name: str, layer, group: int):
+    """An MLA layer as the multi-query attention of vLLM's decode path (see ``LayerSpec.latent``): one KV head
+    of the latent cache row's width, this rank's query heads, the layer's own softmax scale."""
+    from .tap import LayerSpec
+
+    L = int(layer.kv_lora_rank)
+    return LayerSpec(index=index, name=name, num_heads=int(layer.num_heads), num_kv_heads=1,
+                     head_dim=L + int(layer.qk_rope_head_dim), scale=float(layer.scale), group=group, latent=L)
 
 
 def _total_layers(runner, fallback: int) -> int:
@@ -464,6 +510,11 @@ def _cache_views(layer, spec, dtype):
         kv = kv[0] if kv else None
     if not isinstance(kv, torch.Tensor):
         return None
+    if spec.latent:  # MLA: (blocks, block_size, L + rope), one row [c_kv | k_pe] per token (every MLA backend)
+        if kv.dtype != dtype or kv.dim() != 3 or kv.shape[2] != spec.head_dim or kv.stride(2) != 1:
+            return None
+        t = kv.unsqueeze(2)
+        return kv, t, t[..., :spec.latent]
     cache_dtype = _kv_dtype(getattr(layer, "impl", None))
     if cache_dtype in _FP8 and kv.element_size() == 1:  # vLLM allocates fp8 caches as bytes
         kv = kv.view(torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
@@ -502,9 +553,17 @@ def _flash_readable(impl) -> bool:
     return type(impl).__name__ == "FlashAttentionImpl" and _kv_dtype(impl) in ("auto", *_FP8)
 
 
-def _keys_from_cache(layers: list) -> bool:
+def _cache_readable(layer, device_type: str) -> bool:
+    """Whether attn-otel reads the layer's keys (and values) from vLLM's cache: FLASH_ATTN on a GPU with an
+    unquantised or fp8 cache, and MLA's latent cache on any device (its one layout)."""
+    if _is_mla(layer):
+        return True
+    return device_type == "cuda" and _flash_readable(layer.impl)
+
+
+def _keys_from_cache(layers: list, device_type: str) -> bool:
     """Whether streamed layers can read their keys from vLLM's cache (else they keep a K-only tap)."""
-    return all(_flash_readable(layer.impl) for layer in layers)
+    return all(_cache_readable(layer, device_type) for layer in layers)
 
 
 def _fp8_terms(layer) -> tuple[float, str | None]:
@@ -512,7 +571,7 @@ def _fp8_terms(layer) -> tuple[float, str | None]:
     (and FLASH_ATTN gets ``q / q_scale`` in fp8 too); the captures read those very values, exactly, and
     put ``q_scale * k_scale`` into the logits' scale, as the kernel's descaling does."""
     impl = layer.impl
-    if _kv_dtype(impl) not in _FP8:
+    if _is_mla(layer) or _kv_dtype(impl) not in _FP8:  # MLA: refused with a quantised cache (_mla_refusal)
         return 1.0, None
     if not _flash_readable(impl):
         return 1.0, f"fp8 KV cache on {type(impl).__name__} (attn-otel reads fp8 keys from FLASH_ATTN's cache)"
@@ -548,8 +607,7 @@ def _plan(runner, config, specs, layers, par=None):
             logger.warning("attn-otel: layers %s differ in shape or KV-cache group from layer %d; they keep the "
                            "Q/K tap", [s.index for s in odd], first.index)
             streamed = [s for s in streamed if s not in odd]
-    from_cache = bool(streamed) and runner.device.type == "cuda" and _keys_from_cache(
-        [layers[s.name] for s in streamed])
+    from_cache = bool(streamed) and _keys_from_cache([layers[s.name] for s in streamed], runner.device.type)
     step = int(runner.vllm_config.scheduler_config.max_num_batched_tokens)
     rows = max(config.stream_rows or DEFAULT_ROWS, step)  # one step's tokens always fit the ring
     return maps, streamed, from_cache, rows
@@ -672,10 +730,14 @@ def _install(runner, kv_cache_config) -> None:
     if config.verify and engine.maptap is not None:
         for s in engine.maptap.layers.values():
             layer = layers[s.name]
-            views = _cache_views(layer, s, dtype) if runner.device.type == "cuda" and _flash_readable(layer.impl) else None
+            views = _cache_views(layer, s, dtype) if _cache_readable(layer, runner.device.type) else None
             scale = float(getattr(layer, "_v_scale_float", 1.0)) if _kv_dtype(layer.impl) in _FP8 else 1.0
-            engine.maptap.verify(s.index, int(getattr(layer, "head_size_v", s.head_dim)),
-                                 (views[2], scale) if views is not None else None)
+            if s.latent:  # MLA: maps x c_kv, up-projected by the layer's W_UV, against its output
+                engine.maptap.verify(s.index, int(layer.v_head_dim), (views[2], 1.0) if views is not None else None,
+                                     v_up=layer.W_UV)
+            else:
+                engine.maptap.verify(s.index, int(getattr(layer, "head_size_v", s.head_dim)),
+                                     (views[2], scale) if views is not None else None)
         logger.info("attn-otel: ATTN_OTEL_VERIFY=1: maps captures check maps x V against the attention output "
                     "(values %s)", "read from vLLM's cache" if engine.maptap.values else "kept from the forward")
     runner._attn_otel = engine
@@ -717,6 +779,8 @@ def _tap_layer(engine, spec, layer) -> bool:
     update from the forward.  True where the layer's K/V write is fused."""
     from vllm.forward_context import get_forward_context
 
+    if spec.latent:
+        return _tap_mla_layer(engine, spec, layer)
     impl = layer.impl
     orig = impl.forward
     if getattr(orig, "_attn_otel", False):
@@ -795,6 +859,60 @@ def _tap_layer(engine, spec, layer) -> bool:
     do_kv_cache_update._attn_otel = True  # type: ignore[attr-defined]
     impl.do_kv_cache_update = do_kv_cache_update
     return True
+
+
+def _tap_mla_layer(engine, spec, layer) -> bool:
+    """Wrap an MLA layer's ``forward_impl`` (what vLLM's attention op calls, after its latent-cache write) so
+    that each forward keeps its queries, absorbed as vLLM's decode path absorbs them: ``[q_nope W_UK^T | q_pe]``
+    per head, one ``[L + rope]`` row to score against the latent cache row ``[c_kv | k_pe]`` (prefill runs the
+    same scores un-absorbed, as ``q_nope . (W_UK c_kv) + q_pe . k_pe``).  The keys and values stay in vLLM's
+    latent cache; a CPU build without a cache view keeps them in the taps.  Never the KV-cache write (False)."""
+    import torch
+    from vllm.forward_context import get_forward_context
+
+    orig = layer.forward_impl
+    if getattr(orig, "_attn_otel", False):
+        return False
+    index, name, P, L = spec.index, spec.name, int(layer.qk_nope_head_dim), spec.latent
+    tap = engine.stream if spec.index in engine.streamed else engine.tap
+    maptap = engine.maptap if engine.maptap is not None and index in engine.maptap.layers else None
+    checked = maptap is not None and index in maptap.out
+    w_uk_t = layer.W_UK_T  # [Hq, P, L]
+
+    def forward_impl(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs):
+        slot_mapping = None
+        if attn_metadata is not None:
+            try:
+                slots = get_forward_context().slot_mapping
+                if isinstance(slots, list):
+                    slots = slots[0]
+                slot_mapping = slots.get(name) if isinstance(slots, dict) else None
+                if slot_mapping is None:
+                    slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+                if slot_mapping is not None:
+                    n = slot_mapping.shape[0]
+                    qn = q[:n]
+                    qa = torch.cat([torch.bmm(qn[..., :P].transpose(0, 1), w_uk_t).transpose(0, 1), qn[..., P:]], -1)
+                    key = torch.cat([k_c_normed[:n], k_pe[:n].reshape(n, -1)], -1).unsqueeze(1)
+                    tap.write(index, qa, key, slot_mapping)
+                    if maptap is not None:
+                        maptap.write(index, qa, slot_mapping, k_c_normed[:n].unsqueeze(1))
+            except Exception:  # noqa: BLE001
+                engine.warn_once("tap", "query tap of MLA layer %s failed; its captures will be wrong or dropped",
+                                 name, exc=True)
+        result = orig(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs)
+        if checked and attn_metadata is not None and slot_mapping is not None:
+            try:  # ATTN_OTEL_VERIFY: the layer's output (after W_UV), for the planned requests
+                out = kwargs.get("output", args[0] if args else None)
+                out = result if out is None else out
+                maptap.write_out(index, out.view(out.shape[0], spec.num_heads, -1), slot_mapping)
+            except Exception:  # noqa: BLE001
+                engine.warn_once("verify", "keeping the attention output of %s failed", name, exc=True)
+        return result
+
+    forward_impl._attn_otel = True  # type: ignore[attr-defined]
+    layer.forward_impl = forward_impl
+    return False
 
 
 def _vision_positions(new_req):

@@ -11,6 +11,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("T, N, hq, hkv, d, vision", [
     (1, 1, 4, 2, 64, False), (5, 3, 4, 2, 64, False), (130, 70, 8, 2, 64, True), (767, 511, 32, 8, 128, False),
     (2100, 2000, 32, 8, 128, True),
+    # MLA's latent rows (one KV head of 512 + 64) and a 128 + 64 head: a power of two plus a power-of-two tail
+    (300, 200, 16, 1, 576, False), (130, 70, 128, 1, 576, True), (100, 50, 8, 2, 192, False),
 ])
 def test_fused_kernel_matches_torch(T, N, hq, hkv, d, vision):
     from attn_otel import triton_metrics

@@ -49,3 +49,27 @@ def build_gptoss(path: Path) -> str:
         for layer in model.model.layers:
             layer.self_attn.sinks.copy_(torch.tensor([0.0, 2.0, 4.0, -2.0]))
     return _save(model, path)
+
+
+def build_deepseek(path: Path, sharpen: float = 3.0) -> str:
+    """A DeepSeek-V3-shaped model: multi-head latent attention (q_lora_rank 64, kv_lora_rank 512, rope 64,
+    nope 32, v 32; the CPU build's MLA decode kernel takes only a 512 + 64 latent row), one dense layer then
+    one MoE layer (4 routed experts, 2 per token, one shared)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+                           kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                           n_group=1, topk_group=1, max_position_embeddings=1024, initializer_range=0.1,
+                           rope_scaling=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                           tie_word_embeddings=False)
+    cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"  # DeepSeek-V3's router (vLLM reads these)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # sharper attention than the init gives: far from uniform, so maps mean something
+        for layer in model.model.layers:
+            layer.self_attn.q_b_proj.weight.mul_(sharpen)
+            layer.self_attn.kv_b_proj.weight.mul_(sharpen)
+    return _save(model, path)

@@ -16,6 +16,7 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAP_LAYERS": "all", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "ATTN_OTEL_VERIFY": "1",  # maps x V against each layer's own output
                        "ATTN_OTEL_STORE_TOKENS": "1",  # stored ids are checked against vLLM's
                        "VLLM_CPU_KVCACHE_SPACE": "1"})
     logging.basicConfig()
@@ -58,11 +59,15 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     (engine,) = vllm_adapter.engines()
     assert engine.flush(120), "captures not written within 120 s"
     specs = [{"index": s.index, "window": s.window, "soft_cap": s.soft_cap, "sinks": s.sinks,
-              "scale": s.scale, "group": s.group, "slots_from": s.slots_from} for s in engine.layers]
+              "scale": s.scale, "group": s.group, "slots_from": s.slots_from, "latent": s.latent,
+              "head_dim": s.head_dim, "num_kv_heads": s.num_kv_heads} for s in engine.layers]
     kv = llm.llm_engine.vllm_config.cache_config
     stats = engine.stats_snapshot()
     with open(out_json, "w") as f:
         json.dump({"requests": results, "layers": specs, "kv_groups": groups, "num_blocks": kv.num_gpu_blocks,
+                   "attention_impl": engine.attrs.get("attention_impl"),
+                   "prefix_caching": bool(kv.enable_prefix_caching),
+                   "chunked_prefill": bool(llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill),
                    "captured": stats["captured"], "dropped": stats["dropped"]}, f)
 
 

@@ -1,0 +1,61 @@
+"""MLA (DeepSeek V2/V3, Kimi K2) on vLLM's CPU build: a random-weight DeepSeek-V3-shaped model
+(tests/variant_models.py: q_lora_rank 64, a 512-wide latent and 64 rope dims, one dense and one MoE layer)
+served through tests/variant_serve.py with attn-otel, every layer captured, every request with maps.
+
+vLLM's CPU build serves MLA with its reference backend (CPUMLAImpl) and turns chunked prefill and prefix
+caching off for it; the GPU test (tests/test_gpu_mla.py) covers those.  attn-otel captures an MLA layer as the
+multi-query attention of vLLM's decode path: the absorbed query ``[q_nope W_UK^T | q_pe]`` per head against the
+latent cache row ``[c_kv | k_pe]``, both read as vLLM holds them.  Checked against HF eager float32 on the same
+weights and tokens (maps, and per-row metrics against NumPy), calibrated by HF bf16's own drift, and against
+the backend's own output: maps x c_kv x W_UV per head (ATTN_OTEL_VERIFY)."""
+
+import numpy as np
+import pytest
+from reference import Calibrated, check_reconstruction, hf_references
+from test_engine_variants import serve
+from variant_models import build_deepseek
+
+import attn_otel
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def served_mla(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("deepseek")
+    model = build_deepseek(tmp / "model", sharpen=2.0)
+    store, got, stderr = serve(tmp, model)
+    return model, store, got, stderr
+
+
+def test_every_mla_layer_is_captured_from_the_latent_cache(served_mla):
+    _, _, got, stderr = served_mla
+    assert got["kv_groups"] == ["MLAAttentionSpec"] and got["attention_impl"] == "CPUMLAImpl"
+    assert [s["index"] for s in got["layers"]] == [0, 1]
+    for s in got["layers"]:  # one KV head of the latent row's width; the layer's own scale (qk_head_dim ** -0.5)
+        assert (s["latent"], s["head_dim"], s["num_kv_heads"]) == (512, 576, 1)
+        assert s["scale"] == pytest.approx((32 + 64) ** -0.5)
+    assert got["captured"] == len(got["requests"]) == 9 and got["dropped"] == {}
+    assert "not capturing" not in stderr
+
+
+def test_mla_maps_and_metrics_match_hf_eager_and_reconstruct_the_output(served_mla):
+    model, store, got, _ = served_mla
+    maps, rows, recon = Calibrated(), Calibrated(), []
+    for r in got["requests"]:
+        (cap,) = attn_otel.open_trace(r["trace_id"], store)
+        ids = r["prompt"] + r["output"]
+        T = cap.num_tokens
+        assert T == len(ids) - 1 and list(cap.token_ids) == ids[:T] and cap.num_heads == 4
+        a = cap.maps()
+        assert a.shape == (2, 4, T, T)
+        assert np.abs(a.sum(-1) - 1).max() <= 1e-3 and np.abs(np.triu(a, 1)).max() == 0.0
+        fp32, bf16 = hf_references(model, ids[:T])
+        maps.add_maps("tv", a, fp32, bf16)
+        for li in range(2):
+            rows.add_metrics("", {n: v[li] for n, v in cap.metrics.items()}, fp32[li], bf16[li], cap.prompt_len)
+        recon.append(check_reconstruction(cap, mla=True))
+    maps.check("MLA maps against HF eager fp32")
+    rows.check("MLA per-row metrics against NumPy on HF eager fp32")
+    assert sum(r["rows"] for r in recon) == sum(2 * 4 * (len(r["prompt"]) + len(r["output"]) - 1)
+                                                for r in got["requests"])
