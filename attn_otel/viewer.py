@@ -48,6 +48,14 @@ STRIP_METRICS = ("entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share
 OVERVIEW = (("prompt", "entropy_norm"), ("prompt", "sink_mass_first"), ("prompt", "sink_mass_k"),
             ("prompt", "vision_share"), ("generated", "entropy_norm"), ("generated", "lookback_ratio"))
 MEAN = "mean"  # the head of the mean over heads, in map ids and the served route's ``head=``
+VIEW_ROUTE = "/attn-otel/view"  # on vLLM's API server; grafana/generate.py links exemplars here
+
+
+def view_path(trace_id: str, request_id: str | None = None) -> str:
+    """The served page of a capture, from the server's root: ``/attn-otel/view/{trace_id}?request=...``."""
+    from urllib.parse import quote
+
+    return f"{VIEW_ROUTE}/{trace_id}" + ("" if request_id is None else f"?request={quote(str(request_id), safe='')}")
 
 
 # --- maps as codes ------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from .store import StoreError, open_zarr_store
 
 logger = logging.getLogger("attn_otel")
 
-ROUTE = "/attn-otel/view"
+ROUTE = viewer.VIEW_ROUTE
 READERS = 2
 MAP_CACHE_BYTES = 64 << 20
 TRACE_CACHE_S = 30.0
