@@ -298,6 +298,6 @@
   }
   window.addEventListener("error", (ev) => showError(ev.error || ev.message));
   window.addEventListener("unhandledrejection", (ev) => showError(ev.reason));
-  window.attnOtel = { data: D, state, render, showRow, select };
+  window.attnOtel = { data: D, state, geometry: G, render, showRow, select };
   init();
 })();
