@@ -115,6 +115,13 @@ class Viewer:
             match |= secrets.compare_digest(digest, key)
         return match
 
+    def clear_cache(self) -> None:
+        """Forget the traces and maps read so far (the next view reads the store again)."""
+        with self._lock:
+            self._traces.clear()
+            self._maps.clear()
+            self._map_bytes = 0
+
     # --- reading (worker threads) ----------------------------------------------------------------------
     def _store(self):
         if self._zstore is None:

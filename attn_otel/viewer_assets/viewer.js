@@ -200,7 +200,8 @@
     const top = [...vals.keys()].sort((a, b) => vals[b] - vals[a]).slice(0, 5);
     $("row-title").textContent = "Query " + i + shortLabel(i) + " (" + (i < N ? "prompt" : "generated") + "), layer " + D.layers[state.li] + ", " + headName()
       + (e ? ": most attended " + top.map((j) => j + shortLabel(j) + " " + fmt(vals[j])).join(", ") : ": no map to read the row from");
-    const level = (v) => (v <= 0 || !max ? 0 : state.log ? Math.max(0, (Math.log10(v) - FLOOR) / (Math.log10(max) - FLOOR)) : v / max);
+    // the row's own scale: linear from 0 to its largest weight, or log over the 3 decades below it
+    const level = (v) => (v <= 0 || !max ? 0 : state.log ? Math.max(0, 1 + Math.log10(v / max) / 3) : v / max);
     const cv = $("row-bars"), W = Math.min(960, Math.max(240, (i + 1) * 8)), Hb = 80, ctx = cv.getContext("2d");
     cv.width = W; cv.height = Hb + 4; ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, Hb + 4);
     for (let x = 0; x < W; x++) {
@@ -223,8 +224,9 @@
   }
 
   // --- state, controls --------------------------------------------------------------------------------
+  const timings = [];  // [view, ms] per render: what bench/viewer_open.py reads
   async function render() {
-    const token = ++state.token;
+    const token = ++state.token, t0 = performance.now();
     setStatus("loading layer " + D.layers[state.li] + ", " + headName() + " …");
     let entry = null, why = "";
     if (!D.has_maps) why = "No maps were stored for this request (metrics only): the map stays empty; the metrics below are its own.";
@@ -241,6 +243,7 @@
     if (state.q !== null) showRow(state.q);
     writeHash();
     state.draws++;
+    timings.push([state.li + "-" + state.head, performance.now() - t0, performance.now()]);
     Object.assign(document.body.dataset, { draws: String(state.draws), ready: "1", view: state.li + "-" + state.head + "-" + (state.log ? 1 : 0) });
     setStatus("layer " + D.layers[state.li] + ", " + headName() + (state.log ? ", log scale" : "") + (G.f > 1 ? " · " + G.f + "×" + G.f + " tokens per pixel (max)" : ""));
   }
@@ -298,6 +301,6 @@
   }
   window.addEventListener("error", (ev) => showError(ev.error || ev.message));
   window.addEventListener("unhandledrejection", (ev) => showError(ev.reason));
-  window.attnOtel = { data: D, state, geometry: G, render, showRow, select };
+  window.attnOtel = { data: D, state, geometry: G, timings, render, showRow, select };
   init();
 })();
