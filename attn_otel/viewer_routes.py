@@ -128,9 +128,16 @@ class Viewer:
             if self.store is not None and not isinstance(self.store, (str, os.PathLike)):
                 self._zstore = self.store
             else:
+                from urllib.parse import urlparse
+
                 from .config import Config
 
-                self._zstore = open_zarr_store(os.fspath(self.store or Config.from_env().store), read_only=True)
+                url = os.fspath(self.store or Config.from_env().store)
+                parsed = urlparse(url)
+                local = parsed.path if parsed.scheme == "file" else url if not parsed.scheme else None
+                if local is not None and not os.path.isdir(os.path.expanduser(local)):
+                    raise HttpError(404, "no capture is stored yet")  # the writers make the store
+                self._zstore = open_zarr_store(url, read_only=True)
         return self._zstore
 
     def captures(self, trace_id: str) -> list[Capture]:

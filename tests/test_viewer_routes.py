@@ -102,6 +102,11 @@ def test_bad_and_unknown_requests_are_clear_errors(store, captured, path, params
     assert message in body
 
 
+def test_before_any_capture_is_stored_a_trace_is_404(tmp_path):
+    r = _client(tmp_path / "not-yet").get(f"/attn-otel/view/{'0' * 31}1")
+    assert r.status_code == 404 and "no capture is stored yet" in r.text
+
+
 def test_the_map_of_a_metrics_only_capture_is_404(store):
     record, _ = make_record(maps=False)
     write(store, record)
