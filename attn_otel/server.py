@@ -145,10 +145,10 @@ class EndpointPlugin:
             from . import viewer_routes
 
             self.viewer = viewer_routes.install(app)
-            args = getattr(app.state, "args", None)  # vLLM 0.32 sets it before attaching plugins
+            args = getattr(app.state, "args", None)  # vLLM 0.26 and 0.32 set it before attaching plugins
             if args is not None:
                 self.viewer.configure(args)
-            else:  # older builds: the environment until init_state brings the arguments
+            else:  # an app built otherwise: the environment until init_state brings the arguments
                 self.viewer.set_api_keys(viewer_routes.api_keys())
         except Exception:  # noqa: BLE001 - the viewer must not keep the server from starting
             logger.exception("attn-otel: could not install the viewer routes")

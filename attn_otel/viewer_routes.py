@@ -14,7 +14,8 @@ head; 404 for a trace, request, layer or head the store does not have, and for t
 capture; 500 when the store cannot be read (the details go to the server's log).
 
 Authentication: vLLM's ``--api-key`` (else ``VLLM_API_KEY``) guards only its API paths (``/v1``, ``/v2``,
-``/inference``, ``/cohere``: ``GUARDED_PREFIX`` of its ``AuthenticationMiddleware``), not these.  So these
+``/inference``, and ``/cohere`` in 0.32: ``GUARDED_PREFIX`` of its ``AuthenticationMiddleware``, in 0.26 and
+0.32 alike), not these.  So these
 routes check the same keys themselves, the way vLLM does (SHA-256 digests, constant-time comparison), and
 accept them as ``Authorization: Bearer KEY`` (like the OpenAI API) or as HTTP Basic credentials with the key
 as password and any user name, which a browser asks for on its own: a 401 says ``WWW-Authenticate: Basic``,
@@ -59,8 +60,9 @@ class HttpError(Exception):
 
 
 def api_keys(args: Any = None, env=None) -> list[str]:
-    """The keys vLLM's server requires, by vLLM's own rule (``init_entrypoints_middleware``): ``--api-key``
-    (a list in vLLM 0.32, a string before) wins over ``VLLM_API_KEY``; empty values do not count."""
+    """The keys vLLM's server requires, by vLLM's own rule (0.26's ``build_app``, 0.32's
+    ``init_entrypoints_middleware``): ``--api-key`` (a list; a lone string counts as one key) wins over
+    ``VLLM_API_KEY``; empty values do not count."""
     env = os.environ if env is None else env
     given = getattr(args, "api_key", None)
     if isinstance(given, str):

@@ -159,7 +159,7 @@ def test_without_an_api_key_the_routes_are_open(store, captured):
 
 @pytest.mark.parametrize("api_key, env, keys", [
     (["a", "b"], "e", ["a", "b"]),  # --api-key wins over VLLM_API_KEY (vLLM's own rule)
-    ("a", "e", ["a"]),  # older vLLM: one string
+    ("a", "e", ["a"]),  # a lone string: one key
     (None, "e", ["e"]),
     (None, "", []),
     ([""], None, []),
