@@ -249,3 +249,17 @@ def test_a_browser_given_the_key_as_basic_credentials_gets_the_page_and_its_maps
     _open(browser, base.replace("http://", f"http://viewer:{KEY}@") + f"/attn-otel/view/{store[1].trace_id}")
     _switch(browser, "head", "2")
     assert browser.execute_script("return document.body.dataset.view") == "0-2-0"
+
+
+def test_a_metrics_only_capture_shows_its_per_layer_metrics_and_no_map(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    record, _ = make_record(layers=LAYERS, heads=HEADS, T=T, prompt_len=PROMPT, maps=False)
+    write(tmp_path / "store", record)
+    out = tmp_path / "metrics.html"
+    assert cli.main(["view", record.trace_id, "--store", str(tmp_path / "store"), "-o", str(out)]) == 0
+    _open(browser, out.as_uri())
+    assert not browser.find_element(By.ID, "figure").is_displayed()
+    assert "metrics only" in browser.find_element(By.ID, "note").text
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#overview .cell")) == 5 * len(LAYERS)
+    assert browser.find_element(By.CSS_SELECTOR, "#footer code").text.startswith("attn-otel metrics ")

@@ -229,7 +229,7 @@
     const token = ++state.token, t0 = performance.now();
     setStatus("loading layer " + D.layers[state.li] + ", " + headName() + " …");
     let entry = null, why = "";
-    if (!D.has_maps) why = "No maps were stored for this request (metrics only): the map stays empty; the metrics below are its own.";
+    if (!D.has_maps) why = "No maps were stored for this request (metrics only): below are its per-layer metrics.";
     else {
       try {
         entry = await loadMap(state.li, state.head);
@@ -293,10 +293,15 @@
     $("row-text").addEventListener("click", (ev) => { const pos = ev.target.dataset && ev.target.dataset.pos; if (pos !== undefined) { showRow(+pos); drawMap(); } });
     const left = D.maps.left_out || [];
     $("legend").textContent = "Colour: attention weight, viridis, " + "linear from 0 to the map's largest weight, or log from " + D.log_floor + " (log scale); grey: future keys (causal). "
-      + "Red dashes: the prompt | generated boundary. Strips: per-row metrics of the layer (" + Object.keys(STRIPS).filter((n) => n in D.row_metrics).map((n) => STRIPS[n]).join(", ") + "; 0 to 1, grey where undefined)."
+      + "Red dashes: the prompt | generated boundary. " + (Object.keys(D.row_metrics).length
+        ? "Strips: per-row metrics of the layer (" + Object.keys(STRIPS).filter((n) => n in D.row_metrics).map((n) => STRIPS[n]).join(", ") + "; 0 to 1, grey where undefined)."
+        : "This capture stored no per-row metrics (ATTN_OTEL_ROW_METRICS), only the per-layer means below.")
       + (left.length ? " This file leaves out " + left.length + " maps (cap " + D.maps.limit_mb + " MB)." : "");
-    $("footer").textContent = "Weights are drawn to within about 3% (log-coded). Exact maps: ";
-    const code = document.createElement("code"); code.textContent = "attn-otel fetch " + D.trace_id + " --request " + D.request_id; $("footer").appendChild(code);
+    $("figure").hidden = $("row-panel").hidden = $("legend").hidden = !D.has_maps;
+    $("footer").textContent = D.has_maps ? "Weights are drawn to within about 3% (log-coded). Exact maps: " : "As a table: ";
+    const code = document.createElement("code");
+    code.textContent = "attn-otel " + (D.has_maps ? "fetch " : "metrics ") + D.trace_id + " --request " + D.request_id;
+    $("footer").appendChild(code);
     render();
   }
   window.addEventListener("error", (ev) => showError(ev.error || ev.message));
