@@ -15,6 +15,16 @@ if ! command -v prometheus >/dev/null 2>&1; then
     echo "setup: no prometheus binary and no root apt-get: the Prometheus scrape tests will fail" >&2
   fi
 fi
+# A real headless browser for the viewer's tests (tests/test_viewer_browser.py, driven by selenium): Debian's
+# chromium and the chromedriver built with it (/usr/bin/chromium, /usr/bin/chromedriver).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium and chromium-driver ..." >&2
+    (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null; })
+  else
+    echo "setup: no chromium/chromedriver and no root apt-get: the viewer's browser tests will be skipped" >&2
+  fi
+fi
 # Grafana's published dashboard schema (@grafana/schema) and the TypeScript compiler that checks the generated
 # dashboards against it (tests/test_grafana_schema.py): npm ci from the committed lock file into
 # grafana/schema-check/node_modules (gitignored), again whenever the lock file changes.

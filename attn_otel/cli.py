@@ -1,4 +1,5 @@
-"""The ``attn-otel`` command: list captures, fetch their maps as NumPy arrays, draw one as a heatmap.
+"""The ``attn-otel`` command: list captures, fetch their maps as NumPy arrays, draw one as a heatmap, write a
+viewer page.
 
 Usage::
 
@@ -7,6 +8,7 @@ Usage::
     attn-otel show  TRACE_ID --layer L [--head H] [--request ID] [--rows A:B] [--log]
                     [--tokenizer DIR] [-o MAP.png] [--store URL]
     attn-otel metrics TRACE_ID [--request ID] [--json] [--store URL]
+    attn-otel view  TRACE_ID [--request ID] [--tokenizer DIR] [--max-mb MB] [-o OUT.html] [--store URL]
     attn-otel demo  [-o PNG] [--max-tokens N] [--store URL]
     attn-otel gc    [--grace DURATION] [--older-than DURATION] [--dry-run] [--store URL]
 
@@ -499,6 +501,66 @@ def add_metrics(subparsers, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_metrics)
 
 
+# --- view ----------------------------------------------------------------------------------------------
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from . import viewer
+
+    cap = _pick_capture(args.trace_id, args.store, args.request)
+    others = [c.request_id for c in open_trace(cap.trace_id, args.store)]
+    tokenizer = None
+    if args.tokenizer is not None and not cap.meta.get("token_ids"):
+        _info("not labelling tokens: no token ids stored (ATTN_OTEL_STORE_TOKENS=1 stores them)")
+    elif args.tokenizer is not None:
+        tokenizer = viewer.load_tokenizer(args.tokenizer)
+    page, report = _read(cap, "maps", lambda: viewer.build_file(
+        cap, tokenizer=tokenizer, max_bytes=int(args.max_mb * (1 << 20)), requests=others))
+    out = Path(args.output or f"{cap.trace_id}.html")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    if not cap.has_maps:
+        _info(f"request {_printable(cap.request_id)!r} has metrics only, no maps: the page shows its metrics")
+    elif report["left_out"]:
+        _info(f"left out {len(report['left_out'])} of {len(report['left_out']) + len(report['embedded'])} maps "
+              f"(over --max-mb {args.max_mb:g}); the page says which")
+    _info(f"wrote {out} ({out.stat().st_size / (1 << 20):.1f} MiB)")
+    return 0
+
+
+def _positive_mb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in MB, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size in MB, got {text!r}")
+    return value
+
+
+def add_view(subparsers, common: argparse.ArgumentParser) -> None:
+    from .viewer import DEFAULT_MAX_MB
+
+    p = subparsers.add_parser(
+        "view", parents=[common], help="write a capture as a self-contained HTML viewer page",
+        description="Write one capture as an HTML page that opens offline in a browser: layer and head pickers "
+                    "(and the mean over heads), a log-scale toggle, per-row and per-layer metric strips, and a "
+                    "click on a query row shows its attention over the text.  The vLLM server with ATTN_OTEL=1 "
+                    "serves the same page at /attn-otel/view/TRACE_ID (docs/viewer.md).")
+    p.add_argument("trace_id", metavar="TRACE_ID", help="32 hex digits")
+    p.add_argument("--request", metavar="ID", help="the request to show when the trace has several captures")
+    p.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer folder: decoded tokens on the axes and in the "
+                   "text (needs stored token ids); without it, token ids")
+    p.add_argument("--max-mb", type=_positive_mb, default=float(DEFAULT_MAX_MB), metavar="MB",
+                   help="embed maps (head means first, then heads) up to this many MB before compression "
+                        "(default %(default)g; a 4k-token map is 8 MB)")
+    p.add_argument("-o", "--output", metavar="PATH", help="output file (default: TRACE_ID.html)")
+    p.set_defaults(func=cmd_view)
+
+
 # --- gc ------------------------------------------------------------------------------------------------
 
 DEFAULT_GRACE = "10m"
@@ -582,7 +644,7 @@ def add_demo(subparsers, common: argparse.ArgumentParser) -> None:
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None]] = [
-    add_ls, add_fetch, add_show, add_metrics, add_demo, add_gc,
+    add_ls, add_fetch, add_show, add_metrics, add_view, add_demo, add_gc,
 ]
 
 

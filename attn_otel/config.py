@@ -161,6 +161,13 @@ ATTN_OTEL_S3_TIMEOUT_S = "ATTN_OTEL_S3_TIMEOUT_S"
 long an S3 endpoint that stops answering can hold a writer: a capture is then dropped and counted
 (``store_error``) and the next one tries again.  Default 10."""
 
+ATTN_OTEL_VIEW_URL = "ATTN_OTEL_VIEW_URL"
+"""Base URL of the vLLM API server that serves the viewer to the people who read the traces, such as
+``http://vllm-host:8000`` (with the server's ``--root-path`` when it has one).  Each capture's span then
+carries ``attn_otel.view_url`` = this + ``/attn-otel/view/{trace_id}?request={request_id}``.  Unset, the
+attribute is that path alone.  Only ``http``/``https`` URLs without credentials; anything else is a logged
+warning and counts as unset."""
+
 S3_TIMEOUT_S = 10.0
 S3_MAX_ATTEMPTS = 3
 AUTO_LAYERS = 4
@@ -254,6 +261,7 @@ class Config:
     row_metrics: str = "maps"
     writer_timeout_s: float = 0.0
     kv_write: str = "fused"
+    view_url: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> "Config":
@@ -286,6 +294,7 @@ class Config:
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)
+        values["view_url"] = _view_url(env.get(ATTN_OTEL_VIEW_URL))
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
@@ -313,6 +322,22 @@ def _number(env: Mapping[str, str], name: str, default, kind, lo, hi):
         _warn(name, raw, f"outside [{lo}, {hi if hi is not None else 'inf'}]", default)
         return default
     return v
+
+
+def _view_url(raw: str | None) -> str | None:
+    """:data:`ATTN_OTEL_VIEW_URL` without its trailing slash, or None (unset, or not a plain http(s) URL)."""
+    from urllib.parse import urlparse
+
+    if raw is None or not raw.strip():
+        return None
+    url = raw.strip().rstrip("/")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc or "@" in parsed.netloc or parsed.query \
+            or parsed.fragment:
+        _warn(ATTN_OTEL_VIEW_URL, raw, "expected a base URL like http://host:8000 (no credentials, query or "
+              "fragment)", "unset")
+        return None
+    return url
 
 
 def s3_timeout_s(env: Mapping[str, str] | None = None) -> float:

@@ -127,11 +127,18 @@ class Capture:
 
     @property
     def metrics(self) -> dict[str, np.ndarray]:
+        return self.row_metrics()
+
+    def row_metrics(self, only: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """The per-row metrics ``{name: float32 [layers, heads, T]}`` (all stored ones, or those of ``only``
+        that are stored); ``{}`` when none were stored.  Reads only the arrays asked for."""
         names = self.meta.get("metrics")
         if not names:
             return {}
         if not isinstance(names, list) or not all(isinstance(n, str) and n.isidentifier() for n in names):
             raise StoreError(f"{self.prefix}/{MARKER_NAME} lists malformed metric names")
+        if only is not None:
+            names = [n for n in names if n in only]
         shape = (len(self.layers), self.num_heads, self.num_tokens)
         where = {name: name if self.format >= 3 else f"{ROW_METRICS_GROUP}/{name}" for name in names}
         return {name: self._read(where[name], self._array(where[name], shape, "f")) for name in names}

@@ -14,8 +14,10 @@ vLLM's OpenAI server runs in its own process; captures happen in the engine's wo
   variable for the request's duration; the adapter copies it into the request's
   ``SamplingParams.extra_args["traceparent"]`` unless the request set one itself (``vllm_xargs``).
 - :class:`EndpointPlugin`: an object of vLLM's endpoint-plugin shape that the adapter adds to the plugins
-  vLLM attaches to its app (without the operator naming it in ``VLLM_PLUGINS``): it installs the middleware
-  and the Prometheus routes (:func:`attn_otel.exporters.prometheus.install_api_server`).
+  vLLM attaches to its app (without the operator naming it in ``VLLM_PLUGINS``): it installs the middleware,
+  the Prometheus routes (:func:`attn_otel.exporters.prometheus.install_api_server`) and the viewer's routes
+  under ``/attn-otel/view/`` (:mod:`attn_otel.viewer_routes`), which require the server's ``--api-key``
+  when it has one.
 - :func:`prepare_stats_dir`: the directory through which the engine's processes hand their counters and
   histograms to this process's ``/metrics`` (``ATTN_OTEL_STATS_DIR``; a fresh temporary directory,
   removed at exit, when the operator set none).
@@ -122,6 +124,7 @@ class EndpointPlugin:
 
     def __init__(self, registry: Any = None):
         self.registry = registry
+        self.viewer = None
 
     def attach_router(self, app: Any) -> None:
         if getattr(app.state, "attn_otel_installed", False):
@@ -138,11 +141,24 @@ class EndpointPlugin:
                     install(app, self.registry)
                 except Exception:  # noqa: BLE001 - metrics routes must not keep the server from starting
                     logger.exception("attn-otel: could not install the Prometheus routes")
+        try:
+            from . import viewer_routes
+
+            self.viewer = viewer_routes.install(app)
+            args = getattr(app.state, "args", None)  # vLLM 0.26 and 0.32 set it before attaching plugins
+            if args is not None:
+                self.viewer.configure(args)
+            else:  # an app built otherwise: the environment until init_state brings the arguments
+                self.viewer.set_api_keys(viewer_routes.api_keys())
+        except Exception:  # noqa: BLE001 - the viewer must not keep the server from starting
+            logger.exception("attn-otel: could not install the viewer routes")
         app.state.attn_otel_installed = True
         logger.info("attn-otel: trace context middleware installed (traceparent in, traceresponse out)")
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        return None
+        viewer = self.viewer or getattr(state, "attn_otel_viewer", None)
+        if viewer is not None and args is not None:
+            viewer.configure(args)  # the server's API keys, tokenizer and served model name
 
 
 def prepare_stats_dir() -> str:

@@ -48,7 +48,9 @@ Attributes: ``attn_otel.store_uri``, ``attn_otel.request_id``, ``attn_otel.layer
 ``attn_otel.tokens.total``, ``attn_otel.model``, ``attn_otel.engine_version``, ``attn_otel.mode``,
 ``attn_otel.maps_stored``, ``attn_otel.capture_latency_s``, ``attn_otel.sink_tokens``, ``attn_otel.vision``,
 ``attn_otel.finish_reason`` (vLLM's: ``stop``, ``length``, ``abort``, ``error``, ``repetition``; absent when the
-engine did not say), ``attn_otel.fetch_command``.  ``attn_otel.model`` is the served model name, never a local
+engine did not say), ``attn_otel.fetch_command``, and for a stored capture ``attn_otel.view_url``: the
+capture's page in the viewer (``ATTN_OTEL_VIEW_URL`` + ``/attn-otel/view/{trace_id}?request={request_id}``,
+or that path alone when the variable is unset).  ``attn_otel.model`` is the served model name, never a local
 path (:func:`attn_otel.tracking.model_name`).  One event ``attn_otel.layer`` per captured layer with ``attn_otel.layer``
 (the layer index) and ``{part}.{metric}`` = the layer mean (over heads) of the metric over the part's rows
 (:func:`attn_otel.metrics.summarize`'s ``layer_mean``), for part ``prompt`` and ``generated``; undefined
@@ -76,6 +78,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
 from ..ids import check_trace_id
+from ..viewer import view_path
 from ._base import ExportItem
 
 logger = logging.getLogger("attn_otel")
@@ -157,9 +160,10 @@ class OtelExporter:
     name = "otel"
 
     def __init__(self, tracer_provider: TracerProvider, *, store_url: str | None = None,
-                 owns_provider: bool = False):
+                 owns_provider: bool = False, view_url: str | None = None):
         self.tracer_provider = tracer_provider
         self.store_url = store_url
+        self.view_url = view_url  # ATTN_OTEL_VIEW_URL: the API server that serves the viewer
         self.owns_provider = owns_provider
         self._tracer = tracer_provider.get_tracer("attn_otel")
         generator = getattr(tracer_provider, "id_generator", None)
@@ -209,6 +213,7 @@ class OtelExporter:
         }
         if item.uri is not None:
             attrs["attn_otel.store_uri"] = str(item.uri)
+            attrs["attn_otel.view_url"] = (self.view_url or "") + view_path(record.trace_id, str(record.request_id))
         for key, kind in (("sink_tokens", int), ("vision", bool), ("finish_reason", str)):
             if key in record.attrs:
                 attrs[f"attn_otel.{key}"] = kind(record.attrs[key])
@@ -282,7 +287,8 @@ def from_config(config=None) -> OtelExporter | None:
     for span_exporter in span_exporters:
         provider.add_span_processor(BatchSpanProcessor(span_exporter))
     store_url = getattr(config, "store", None)
-    return OtelExporter(provider, store_url=None if store_url is None else str(store_url), owns_provider=True)
+    return OtelExporter(provider, store_url=None if store_url is None else str(store_url), owns_provider=True,
+                        view_url=getattr(config, "view_url", None))
 
 
 def _otlp_exporter() -> SpanExporter:

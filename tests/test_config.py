@@ -52,6 +52,22 @@ def test_every_variable_is_read():
                             queue_bytes=1000, store_tokens=False, sink_tokens=2, writers=3, kv_write="vllm")
 
 
+@pytest.mark.parametrize("raw, url", [
+    ("http://vllm-host:8000", "http://vllm-host:8000"),
+    (" https://example.com/vllm/ ", "https://example.com/vllm"),  # a --root-path; no trailing slash
+    ("", None),
+])
+def test_the_view_url_is_a_base_url(raw, url):
+    assert Config.from_env({"ATTN_OTEL_VIEW_URL": raw}).view_url == url
+
+
+@pytest.mark.parametrize("raw", ["vllm-host:8000", "ftp://host/", "http://user:pw@host:8000", "http://h/?a=1", "/x"])
+def test_a_bad_view_url_is_a_warning_and_unset(raw, caplog):
+    with caplog.at_level(logging.WARNING, logger="attn_otel"):
+        assert Config.from_env({"ATTN_OTEL_VIEW_URL": raw}).view_url is None
+    assert "ATTN_OTEL_VIEW_URL" in caplog.text
+
+
 # --- token ids: content, stored only when asked ---------------------------------------------------------
 
 GENAI = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"

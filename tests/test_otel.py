@@ -89,7 +89,28 @@ def test_span_attributes(otlp_receiver, monkeypatch):
         "attn_otel.sink_tokens": 4,
         "attn_otel.vision": False,
         "attn_otel.fetch_command": f"attn-otel show {rec.trace_id} --layer 3 --request req-1 --store s3://bucket/attn",
+        "attn_otel.view_url": f"/attn-otel/view/{rec.trace_id}?request=req-1",
     }
+
+
+def test_the_view_url_sits_beside_the_fetch_command(otlp_receiver, monkeypatch):
+    """ATTN_OTEL_VIEW_URL: the capture's page in the viewer that vLLM's API server serves (docs/viewer.md)."""
+    _use(monkeypatch, otlp_receiver)
+    item = _item(request_id="req 1/ä")
+    exporter = otel.from_config(Config(store="/tmp/store", view_url="http://vllm-host:8000"))
+    exporter.export(item)
+    exporter.shutdown()
+    attrs = _received(otlp_receiver, item).attributes
+    assert attrs["attn_otel.view_url"] == \
+        f"http://vllm-host:8000/attn-otel/view/{item.record.trace_id}?request=req%201%2F%C3%A4"
+    assert "attn_otel.fetch_command" in attrs
+
+
+def test_a_capture_the_store_did_not_keep_has_no_view_url(otlp_receiver, monkeypatch):
+    _use(monkeypatch, otlp_receiver)
+    item = _item(uri=None)
+    _export(item)
+    assert "attn_otel.view_url" not in _received(otlp_receiver, item).attributes
 
 
 @pytest.mark.parametrize("reason", ["stop", "length", "abort"])

@@ -115,3 +115,28 @@ def test_no_prompt_text_in_what_the_receiver_got(server, otlp_receiver):
     for needle in (PROMPT, "Zanzibar", "quokka", "lighthouse"):
         assert needle.encode() not in ours
         assert needle.encode("utf-16-le") not in ours
+
+
+def test_the_spans_view_url_opens_the_capture_in_the_servers_viewer(server, otlp_receiver):
+    """ATTN_OTEL_VIEW_URL is unset here: the attribute is the path on the server that made the capture."""
+    import zlib
+
+    _, port, store, model = server
+    trace = new_trace_id()
+    status, _, _ = _post(port, {"model": model, "prompt": PROMPT, "max_tokens": 3,
+                                "vllm_xargs": {"attn_otel": "maps", "attn_otel_layers": "0,29"}},
+                         headers={"traceparent": f"00-{trace}-{new_span_id()}-01"})
+    assert status == 200
+    attrs = _capture_span(otlp_receiver, trace).attributes
+    path = attrs["attn_otel.view_url"]
+    assert path.startswith(f"/attn-otel/view/{trace}?request=") and "attn_otel.fetch_command" in attrs
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as r:
+        assert r.status == 200 and trace in r.read().decode()
+    request = path.split("?", 1)[1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/attn-otel/view/{trace}/capture?{request}", timeout=60) as r:
+        data = json.loads(r.read())
+    T = attrs["attn_otel.tokens.total"]
+    assert (data["num_tokens"], data["layers"], data["label_kind"]) == (T, [0, 29], "positions")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/attn-otel/view/{trace}/map?layer=29&head=mean&{request}",
+                                timeout=60) as r:
+        assert len(zlib.decompress(r.read())) == T * (T + 1) // 2
