@@ -18,6 +18,7 @@ calls back into it.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any, Sequence
@@ -87,6 +88,9 @@ class CaptureEngine:
         self.compute = ComputeThread(config, self.tap, stream, self.planner, self.handoff, self.device_budget,
                                      self.maps_pool, self.stats, self.warn_once, self.device, self.maptap)
         at_exit(self.close)  # registered after the hand-off's drain, so it runs before it
+        # The compute and writer-feeding threads share the engine loop's GIL: hand it back within this long.
+        if config.gil_switch_ms > 0 and config.gil_switch_ms / 1000 < sys.getswitchinterval():
+            sys.setswitchinterval(config.gil_switch_ms / 1000)
         # Counters change on the engine loop, the compute thread and the writers: a timer keeps the stats
         # file at most a second behind.
         self._stop_dumper = threading.Event()
