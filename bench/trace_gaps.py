@@ -92,6 +92,14 @@ def analyse(events: list[dict], top: int = 25) -> str:
     out.append("")
     out.append("idle time (gaps >= 0.2 ms) by the innermost host function at the gap's middle, per thread:")
     out += [f"  {t / 1e3:9.1f} ms  tid {tid}  {name}" for (tid, name), t in blame.most_common(top)]
+    by_kernel: collections.Counter = collections.Counter()
+    launches: collections.Counter = collections.Counter()
+    for a, b, name in gpu:
+        by_kernel[name[:90]] += b - a
+        launches[name[:90]] += 1
+    total = sum(by_kernel.values()) or 1.0
+    out += ["", "GPU time by kernel (copies and sets included), the longest:"]
+    out += [f"  {d / 1000:10.1f} ms {100 * d / total:5.1f}% {launches[n]:8d} launches  {n}" for n, d in by_kernel.most_common(top + 15)]
     return "\n".join(out) + "\n"
 
 
