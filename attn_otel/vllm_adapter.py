@@ -127,6 +127,10 @@ def _prompt_len(request) -> int:
 
 # ------------------------------------------------------------------------------ scheduler (EngineCore)
 _REASONS = "attn_otel_finish_reasons"  # SchedulerOutput attribute: {request id: finish reason}
+# SchedulerOutput attribute: {request id: its generated token ids}, where token ids are stored.  A worker knows a
+# request's generated ids only as far as its runner keeps them on the host: vLLM's V1 runner under async
+# scheduling (DeepSeek, gpt-oss, hybrids: models not on the default "model runner V2") keeps -1 placeholders.
+_OUTPUTS = "attn_otel_output_ids"
 # Prefix of the marker ids the front end adds to an abort for requests it stopped on a stop string (NUL: no
 # request id from HTTP or the offline counter has one; an unpatched engine core ignores an unknown id).
 _STOP_MARK = "\x00attn-otel:stop\x00"
@@ -201,6 +205,9 @@ def _note_finish_reason(orig, scheduler, request, *args, **kwargs):
             if reason == "abort" and request.request_id in scheduler.__dict__.get("_attn_otel_stops", ()):
                 reason = "stop"  # stopped by the front end on a stop string (see _patch_scheduler)
             scheduler.__dict__.setdefault("_attn_otel_reasons", {})[request.request_id] = reason
+        if _store_tokens():
+            scheduler.__dict__.setdefault("_attn_otel_outputs", {})[request.request_id] = [
+                int(t) for t in request.output_token_ids]
     except Exception:  # noqa: BLE001 - a capture without its reason, never a failed finish
         pass
     return orig(scheduler, request, *args, **kwargs)
@@ -208,13 +215,25 @@ def _note_finish_reason(orig, scheduler, request, *args, **kwargs):
 
 def _hand_over_finish_reasons(orig, scheduler, *args, **kwargs):
     out = orig(scheduler, *args, **kwargs)
-    reasons = scheduler.__dict__.get("_attn_otel_reasons")
-    if reasons:
-        try:
-            setattr(out, _REASONS, {r: reasons.pop(r) for r in out.finished_req_ids if r in reasons})
-        except Exception:  # noqa: BLE001
-            pass
+    for key, attr in (("_attn_otel_reasons", _REASONS), ("_attn_otel_outputs", _OUTPUTS)):
+        noted = scheduler.__dict__.get(key)
+        if noted:
+            try:
+                setattr(out, attr, {r: noted.pop(r) for r in out.finished_req_ids if r in noted})
+            except Exception:  # noqa: BLE001
+                pass
     return out
+
+
+_STORE_TOKENS: list = []
+
+
+def _store_tokens() -> bool:
+    if not _STORE_TOKENS:
+        from .config import Config
+
+        _STORE_TOKENS.append(Config.from_env().store_tokens)
+    return _STORE_TOKENS[0]
 
 
 # ------------------------------------------------------------------------------ API-server process
@@ -980,6 +999,8 @@ def _track(runner, engine, so) -> None:
     # token ids only where they are stored (ATTN_OTEL_STORE_TOKENS): no gather of them otherwise
     tokens = (_output_tokens(runner, [r for r, _ in done]) if engine.config.store_tokens
               else [(None, None)] * len(done))
+    from_scheduler = getattr(so, _OUTPUTS, None) or {}  # the scheduler's own ids win (see _OUTPUTS)
+    tokens = [(from_scheduler[r], None) if r in from_scheduler else tok for (r, _), tok in zip(done, tokens)]
     # token ids copied on the engine's stream (the runner reuses their rows); the rest on the side stream
     finished = [FinishedRequest(
         request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,

@@ -108,11 +108,9 @@ def test_gpu_mla_maps_and_metrics_are_the_served_models(mla_engine, mla_model):
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         T = cap.num_tokens
         assert T == len(ids) - 1 and cap.layers == list(range(LAYERS)) and cap.num_heads == HEADS
-        stored = list(cap.token_ids)
-        assert stored[:cap.prompt_len] == ids[:cap.prompt_len]
-        results.setdefault("generated_ids_stored", [0, 0])  # see the closing note: the V1 runner's async placeholders
-        results["generated_ids_stored"][0] += sum(int(a) == int(b) for a, b in zip(stored[cap.prompt_len:], ids[cap.prompt_len:T]))
-        results["generated_ids_stored"][1] += T - cap.prompt_len
+        # every id, generated ones included: the V1 runner (not vLLM's default for DeepSeek) keeps -1 placeholders
+        # for them under async scheduling; attn-otel takes them from the scheduler (vllm_adapter._OUTPUTS)
+        assert list(cap.token_ids) == ids[:T]
         fp32, bf16 = hf_references(mla_model, ids[:T], device="cuda")
         if maps:
             got = cap.maps()

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 import vllm_server
 
+import attn_otel
 from attn_otel.ids import new_span_id, new_trace_id
 
 pytestmark = pytest.mark.engine
@@ -136,7 +137,9 @@ def test_the_spans_view_url_opens_the_capture_in_the_servers_viewer(server, otlp
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/attn-otel/view/{trace}/capture?{request}", timeout=60) as r:
         data = json.loads(r.read())
     T = attrs["attn_otel.tokens.total"]
-    assert (data["num_tokens"], data["layers"], data["label_kind"]) == (T, [0, 29], "positions")
+    (cap,) = attn_otel.open_trace(trace, store)  # labels: token ids where the server stores them, else positions
+    labels = "positions" if cap.token_ids is None else "tokens"
+    assert (data["num_tokens"], data["layers"], data["label_kind"]) == (T, [0, 29], labels)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/attn-otel/view/{trace}/map?layer=29&head=mean&{request}",
                                 timeout=60) as r:
         assert len(zlib.decompress(r.read())) == T * (T + 1) // 2
