@@ -475,6 +475,34 @@ def _mla_spec(index: int, name: str, layer, group: int):
                      head_dim=L + int(layer.qk_rope_head_dim), scale=float(layer.scale), group=group, latent=L)
 
 
+def _layer_kinds(runner, specs) -> dict[str, str]:
+    """Every attention-like layer of this rank's part of the model by layer number: what it is and whether it is
+    captured (``attention``, ``mla``, with their terms), left out by ``ATTN_OTEL_LAYERS`` (``not selected``),
+    or refused and why (a hybrid's linear or state-space layers among them).  Stored with every capture."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    ctx = runner.vllm_config.compilation_config.static_forward_context
+    attn = _attention_layers(ctx)
+    kinds: dict[str, str] = {}
+    for name, m in ctx.items():
+        if not (hasattr(m, "impl") or "attn" in name):
+            continue
+        try:
+            i = int(extract_layer_index(name))
+        except Exception:  # noqa: BLE001 - not a numbered decoder layer
+            continue
+        if name not in attn:
+            kinds[str(i)] = f"refused: not softmax attention ({type(m).__name__})"
+            continue
+        why = _refusal(m) or _fp8_terms(m)[1]
+        kinds[str(i)] = f"refused: {why}" if why else ("mla" if _is_mla(m) else "attention") + " (not selected)"
+    for s in specs:
+        terms = [f"window {s.window}"] * bool(s.window) + [f"soft-cap {s.soft_cap:g}"] * bool(s.soft_cap)
+        terms += ["sinks"] * (s.sinks is not None) + [f"KV-cache group {s.group}"]
+        kinds[str(s.index)] = ("mla" if s.latent else "attention") + " (" + ", ".join(terms) + ")"
+    return dict(sorted(kinds.items(), key=lambda kv: int(kv[0])))
+
+
 def _total_layers(runner, fallback: int) -> int:
     """The whole model's layer count (under pipeline parallelism a rank holds only some of them)."""
     try:
@@ -742,7 +770,7 @@ def _install(runner, kv_cache_config) -> None:
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
     engine = CaptureEngine(config, specs, num_slots, dtype, runner.device,
                            model=model, engine_version=f"vllm {vllm.__version__}",
-                           attrs={"attention_impl": backend}, parallel=par, stream=stream, map_layers=maps,
+                           attrs={"attention_impl": backend, "layer_kinds": _layer_kinds(runner, specs)}, parallel=par, stream=stream, map_layers=maps,
                            map_tap_rows=_map_tap_rows(config))
     engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()

@@ -42,6 +42,24 @@ LLAMA3_8B = {
     "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu",
     "bos_token_id": 128000, "eos_token_id": 128001,
 }
+# DeepSeek-V2-Lite's shape (16B parameters, 2.4B active; MLA: latent 512 + rope 64, 16 heads of nope 128 and
+# v 128; 64 routed experts, 6 per token, 2 shared), the largest DeepSeek-class model one H100 holds in bf16;
+# the vocabulary is DeepSeek-V3's, so that every workload's token ids are in range.
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "rope_theta": 10000, "routed_scaling_factor": 1.0, "topk_method": "greedy",
+    "scoring_func": "softmax", "norm_topk_prob": False, "n_group": 1, "topk_group": 1, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 100000,
+    "eos_token_id": 100001,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+MODELS = {"llama3-8b": LLAMA3_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
+MODEL = ["llama3-8b"]  # --model
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online  # noqa: E402
 import workloads  # noqa: E402
@@ -52,9 +70,9 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
 
 
 def _model_dir() -> str:
-    d = Path(tempfile.gettempdir()) / "attn-otel-bench-llama3-8b"
+    d = Path(tempfile.gettempdir()) / f"attn-otel-bench-{MODEL[0]}"
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (d / "config.json").write_text(json.dumps(MODELS[MODEL[0]]))
     return str(d)
 
 
@@ -155,7 +173,7 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
 
         kv_write = Config.from_env().kv_write
     gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
-    result = {"phase": phase, "device": torch.cuda.get_device_name(0), "gpu": gpu, "vllm_version": vllm.__version__,
+    result = {"phase": phase, "model": MODEL[0], "device": torch.cuda.get_device_name(0), "gpu": gpu, "vllm_version": vllm.__version__,
               "engine_start_s": start_s, "kv_cache_blocks": cache.num_gpu_blocks,
               "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
@@ -251,7 +269,7 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
     """The online workload for ``phase``: its own OpenAI server; the capacity from DIR/online-off.json (the
     off phase measures it, so run it first)."""
     model = _model_dir()
-    online.add_tokenizer(model, LLAMA3_8B["vocab_size"])
+    online.add_tokenizer(model, MODELS[MODEL[0]]["vocab_size"])
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-online-{phase}-"))
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-online-{phase}-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_OTEL")}
@@ -379,6 +397,8 @@ def main(argv=None) -> int:
                     help="the online workload for this configuration (run off first)")
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), default=[])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", choices=list(MODELS), default="llama3-8b",
+                    help="the model shape, dummy weights (give each model its own --out)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     ap.add_argument("--report", action="store_true", help="merge the phase files in --out")
     ap.add_argument("--device", help="device name for phase files that lack it")
@@ -391,6 +411,7 @@ def main(argv=None) -> int:
     ap.add_argument("--maps", action="store_true", help="with --engine-profile: profile the maps-for-1%% run")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    MODEL[0] = args.model
     if args.engine_profile:
         engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0], args.stacks,
                        0.01 if args.maps else 0.0)

@@ -73,3 +73,22 @@ def build_deepseek(path: Path, sharpen: float = 3.0) -> str:
             layer.self_attn.q_b_proj.weight.mul_(sharpen)
             layer.self_attn.kv_b_proj.weight.mul_(sharpen)
     return _save(model, path)
+
+
+def build_qwen3_next(path: Path) -> str:
+    """A Qwen3-Next-shaped hybrid: gated DeltaNet (linear attention; head dims 128, the CPU kernel's) layers 0-2, full attention (gated, with
+    a partial rotary) on layer 3, 4 layers in all, a small MoE.  vLLM puts the full-attention layer in a
+    KV-cache group of its own, beside the linear layers' state groups."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+                          linear_num_key_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=64, max_position_embeddings=1024,
+                          initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    model = Qwen3NextForCausalLM(cfg)
+    return _save(model, path)

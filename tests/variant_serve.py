@@ -65,7 +65,7 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     stats = engine.stats_snapshot()
     with open(out_json, "w") as f:
         json.dump({"requests": results, "layers": specs, "kv_groups": groups, "num_blocks": kv.num_gpu_blocks,
-                   "attention_impl": engine.attrs.get("attention_impl"),
+                   "attention_impl": engine.attrs.get("attention_impl"), "layer_kinds": engine.attrs.get("layer_kinds"),
                    "prefix_caching": bool(kv.enable_prefix_caching),
                    "chunked_prefill": bool(llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill),
                    "captured": stats["captured"], "dropped": stats["dropped"]}, f)
