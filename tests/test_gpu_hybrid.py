@@ -56,8 +56,10 @@ def hybrid_engine(hybrid_model, tmp_path_factory):
                        "ATTN_OTEL_STORE_TOKENS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     from vllm import LLM
 
+    # gdn_prefill_backend="triton": the linear layers' prefill kernel vLLM ships (flashinfer's SM90 one is not in
+    # the GPU machine's vLLM bundle); the attention layers, the ones captured, are vLLM's default either way
     llm = LLM(model=hybrid_model, skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=256,
-              gpu_memory_utilization=0.3, seed=0)
+              gpu_memory_utilization=0.3, seed=0, gdn_prefill_backend="triton")
     return llm, store
 
 
