@@ -33,12 +33,13 @@ METRICS = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int, soft_cap: float = 0.0,
-           window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+           window: int = 0, sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Softmax rows r0..r1-1 for every query head: float32 [Hq, r1-r0, T]; causal; GQA by head groups.
 
     The model's own attention terms, in the order vLLM's kernels apply them: logits = q.k * scale, then
     ``soft_cap`` c > 0: logits = c * tanh(logits / c); ``window`` W > 0: row i sees keys i-W+1 .. i only
-    (vLLM's and HF's convention: i - j < W); ``sinks`` [Hq]: a learned logit s_h per query head in the
+    (vLLM's and HF's convention: i - j < W); ``chunk`` C > 0 (chunked local attention, Llama 4): row i sees
+    keys C * floor(i / C) .. i only; ``sinks`` [Hq]: a learned logit s_h per query head in the
     softmax denominator, p_ij = exp(l_ij) / (exp(s_h) + sum_j exp(l_ij)), so a row sums to 1 - its sink share.
     """
     T, hq, d = q.shape
@@ -54,6 +55,8 @@ def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int, sof
     hidden = cols > rows
     if window and window > 0:
         hidden = hidden | (rows - cols >= window)
+    if chunk and chunk > 0:
+        hidden = hidden | (cols < rows // chunk * chunk)
     logits.masked_fill_(hidden, float("-inf"))
     if sinks is None:
         return torch.softmax(logits, dim=-1)
@@ -63,7 +66,7 @@ def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int, sof
 
 def attention_maps(q: torch.Tensor, k: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                    rows: int = ROWS, soft_cap: float = 0.0, window: int = 0,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Full causal maps [Hq, T, T] (written into ``out`` when given, any float dtype); the terms as in
     :func:`_probs`."""
     T, hq, _ = q.shape
@@ -71,14 +74,15 @@ def attention_maps(q: torch.Tensor, k: torch.Tensor, scale: float, out: torch.Te
         out = torch.empty((hq, T, T), dtype=torch.float32, device=q.device)
     for r0 in range(0, T, rows):
         r1 = min(T, r0 + rows)
-        out[:, r0:r1] = _probs(q, k, scale, r0, r1, soft_cap, window, sinks)
+        out[:, r0:r1] = _probs(q, k, scale, r0, r1, soft_cap, window, sinks, chunk)
     return out
 
 
 def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int,
                       sink_tokens: int = 4, vision_mask: torch.Tensor | None = None,
                       maps_out: torch.Tensor | None = None, rows: int = ROWS, start: int = 0,
-                      soft_cap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      soft_cap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None,
+                      chunk: int = 0) -> torch.Tensor:
     """Per-row metrics float32 [len(METRICS), Hq, T] (NaN where undefined), never holding a full map.
 
     With ``maps_out`` ([Hq, T, T]), the probabilities are also written there, band by band.  With ``start``,
@@ -87,7 +91,8 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
     The model's attention terms (``soft_cap``, ``window``, ``sinks``) are those of :func:`_probs`.  What the
     metrics mean under them:
 
-    - visible keys: row i sees keys max(0, i-W+1) .. i under a window W, so n_i = min(i+1, W); ``entropy_norm``
+    - visible keys: row i sees keys max(0, i-W+1) .. i under a window W, so n_i = min(i+1, W), and keys
+      C * floor(i / C) .. i under chunked local attention C (both: the later first key); ``entropy_norm``
       divides by ln(n_i) (NaN where n_i = 1).
     - sinks: the map row is the keys' probabilities as the model computed them, summing to 1 - sink share;
       ``entropy`` is -sum_j A_ij ln A_ij over those key probabilities only (the sink's own share is not a
@@ -105,6 +110,8 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
     res = torch.full((len(METRICS), hq, T), float("nan"), dtype=torch.float32, device=dev)
     pos = torch.arange(T, device=dev)
     lo = (pos - W + 1).clamp_min(0) if W else torch.zeros_like(pos)  # first visible key of each row
+    if chunk and chunk > 0:
+        lo = torch.maximum(lo, pos // int(chunk) * int(chunk))
     n_vis = (pos + 1 - lo).float()
     log_n = torch.log(n_vis)
     if vision_mask is not None and tuple(vision_mask.shape) != (T,):
@@ -118,7 +125,7 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
     kk = int(sink_tokens)
     for r0 in range(int(start), T, rows):
         r1 = min(T, r0 + rows)
-        p = _probs(q, k, scale, r0, r1, soft_cap, W, sinks)  # [H, r, T]
+        p = _probs(q, k, scale, r0, r1, soft_cap, W, sinks, chunk)  # [H, r, T]
         if maps_out is not None:
             maps_out[:, r0:r1] = p
         ent = -torch.xlogy(p, p).sum(-1)

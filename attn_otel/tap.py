@@ -37,6 +37,7 @@ class LayerSpec:
     window: int = 0  # sliding window W (row i sees keys i-W+1 .. i); 0: none
     sinks: tuple[float, ...] | None = None  # learned sink logit per query head (this rank's heads); None: none
     slots_from: str = ""  # a full-attention layer whose slot mapping indexes this (windowed) layer's tap
+    chunk: int = 0  # chunked local attention C (Llama 4): row i sees keys C * floor(i / C) .. i; 0: none
     # MLA: the latent rank L (kv_lora_rank).  Such a layer is captured as the multi-query attention vLLM's
     # decode path runs: one KV head of ``head_dim = L + rope`` (the latent cache row ``[c_kv | k_pe]``), queries
     # absorbed (``[q_nope W_UK^T | q_pe]``), values ``c_kv`` up-projected per head by ``W_UV``.  0: not MLA.
@@ -44,14 +45,15 @@ class LayerSpec:
 
     @property
     def plain(self) -> bool:
-        """No window, soft-cap or sinks: the terms the Triton kernels implement (the torch path does all)."""
-        return not self.window and not self.soft_cap and self.sinks is None
+        """No window, soft-cap, sinks or chunks: the terms the Triton kernels implement (the torch path does
+        all)."""
+        return not self.window and not self.soft_cap and self.sinks is None and not self.chunk
 
     def terms(self, device) -> dict:
         """The keyword arguments of :func:`attn_otel.attention.attention_metrics` for this layer's terms (the
         sinks as a float32 device tensor, made once per device)."""
         sinks = None if self.sinks is None else _sinks_tensor(self.sinks, str(torch.device(device)))
-        return dict(soft_cap=float(self.soft_cap), window=int(self.window), sinks=sinks)
+        return dict(soft_cap=float(self.soft_cap), window=int(self.window), sinks=sinks, chunk=int(self.chunk))
 
 
 @functools.lru_cache(maxsize=256)

@@ -23,10 +23,11 @@ methods (no vLLM source is modified):
 
 The capture's ``model`` is the served model name, never a local path (:func:`attn_otel.tracking.model_name`).
 
-A layer's own attention terms (scale, logit soft-capping, sliding window, learned sinks) are read here
-into its ``LayerSpec``; layers attn-otel cannot reproduce exactly (MLA, ALiBi, chunked local attention,
-encoder or cross attention, KV sharing, a window with no full-attention KV-cache group to tap it by) are
-refused by name with one log line; the rest of the model is still captured (docs/support.md).
+A layer's own attention terms (scale, logit soft-capping, sliding window, learned sinks, chunked local
+attention) are read here into its ``LayerSpec``, MLA layers as the multi-query attention of their latent cache;
+layers attn-otel cannot reproduce exactly (ALiBi, encoder or cross attention, KV sharing, linear and
+state-space layers, sparse or fp8 MLA, a window or chunk with no full-attention KV-cache group to tap it by)
+are refused by name with one log line; the rest of the model is still captured (docs/support.md).
 """
 
 from __future__ import annotations
@@ -360,8 +361,6 @@ def _refusal(layer) -> str | None:
         return f"attention type {attn_type}"
     if getattr(impl, "alibi_slopes", None) is not None:
         return "ALiBi"
-    if getattr(layer, "attention_chunk_size", None):  # Llama 4's local layers (ChunkedLocalAttention)
-        return f"chunked local attention ({layer.attention_chunk_size})"
     if getattr(layer, "kv_sharing_target_layer_name", None):
         return "KV sharing"
     if _window(impl) < 0:
@@ -415,9 +414,10 @@ def _window_groups(specs, kv_cache_config):
             kept.append(s)
             continue
         same = [g for g in full if int(groups[g].kv_cache_spec.block_size) == int(groups[s.group].kv_cache_spec.block_size)]
-        if not s.window or not same:
+        if not (s.window or s.chunk) or not same:
             why = ("sliding window without a full-attention KV-cache group (blocks freed out of the window)"
-                   if s.window else f"KV-cache group of type {type(groups[s.group].kv_cache_spec).__name__}")
+                   if s.window else "chunked local attention without a full-attention KV-cache group (blocks "
+                   "freed out of the chunk)" if s.chunk else f"KV-cache group of type {type(groups[s.group].kv_cache_spec).__name__}")
             refused.append(f"{s.name} ({why})")
             continue
         kept.append(dataclasses.replace(s, group=same[0], slots_from=groups[same[0]].layer_names[0]))
@@ -456,7 +456,8 @@ def _layer_specs(runner, config, groups_by_layer=None, log=False):
         impl = layer.impl
         specs.append(LayerSpec(index=i, name=name, num_heads=int(impl.num_heads), num_kv_heads=int(impl.num_kv_heads),
                                head_dim=int(impl.head_size), scale=float(impl.scale) * _fp8_terms(layer)[0],
-                               group=(groups_by_layer or {}).get(name, 0), **_terms(impl)))
+                               group=(groups_by_layer or {}).get(name, 0), **_terms(impl),
+                               chunk=int(getattr(layer, "attention_chunk_size", 0) or 0)))
     if log:
         if refused:
             logger.warning("attn-otel: not capturing %d layer(s) it cannot reproduce exactly: %s",
@@ -498,6 +499,7 @@ def _layer_kinds(runner, specs) -> dict[str, str]:
         kinds[str(i)] = f"refused: {why}" if why else ("mla" if _is_mla(m) else "attention") + " (not selected)"
     for s in specs:
         terms = [f"window {s.window}"] * bool(s.window) + [f"soft-cap {s.soft_cap:g}"] * bool(s.soft_cap)
+        terms += [f"chunk {s.chunk}"] * bool(s.chunk)
         terms += ["sinks"] * (s.sinks is not None) + [f"KV-cache group {s.group}"]
         kinds[str(s.index)] = ("mla" if s.latent else "attention") + " (" + ", ".join(terms) + ")"
     return dict(sorted(kinds.items(), key=lambda kv: int(kv[0])))

@@ -22,7 +22,7 @@ def qk(T: int, seed: int = 0):
             torch.randn((T, HKV, D), generator=g).to(torch.bfloat16))
 
 
-def numpy_maps(q, k, scale, soft_cap=0.0, window=0, sinks=None):
+def numpy_maps(q, k, scale, soft_cap=0.0, window=0, sinks=None, chunk=0):
     """p_ij = exp(l_ij) / (exp(s_h) + sum_{visible j} exp(l_ij)), l = cap * tanh(q.k * scale / cap)."""
     qn, kn = q.double().numpy(), k.double().numpy()
     T = qn.shape[0]
@@ -31,7 +31,7 @@ def numpy_maps(q, k, scale, soft_cap=0.0, window=0, sinks=None):
     if soft_cap:
         logits = soft_cap * np.tanh(logits / soft_cap)
     i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
-    visible = (j <= i) & ((i - j < window) if window else True)
+    visible = (j <= i) & ((i - j < window) if window else True) & ((j >= i // chunk * chunk) if chunk else True)
     out = np.zeros_like(logits)
     for h in range(HQ):
         for r in range(T):
@@ -49,6 +49,8 @@ CASES = {
     "window": dict(window=16),
     "sinks": dict(sinks=SINKS),
     "all": dict(soft_cap=5.0, window=16, sinks=SINKS),
+    "chunk": dict(chunk=32),  # Llama 4's chunked local attention
+    "chunk+window": dict(chunk=32, window=20),
 }
 
 
@@ -72,12 +74,13 @@ def test_maps_apply_the_terms_as_the_formula_says(case, T):
         np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
 
 
-def numpy_metrics(maps, N, W, k=4):
-    """The metrics by hand under a window W (0: none), per the docstring of attention_metrics."""
+def numpy_metrics(maps, N, W, k=4, C=0):
+    """The metrics by hand under a window W and chunks of C (0: none), per the docstring of attention_metrics."""
     H, T, _ = maps.shape
     out = {m: np.full((H, T), np.nan) for m in METRICS}
     for i in range(T):
         lo = max(0, i - W + 1) if W else 0
+        lo = max(lo, i // C * C) if C else lo
         n = i + 1 - lo
         p = maps[:, i]
         ent = -np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0).sum(-1)
@@ -101,7 +104,7 @@ def test_metrics_under_the_terms(case):
     q, k = qk(T, seed=1)
     terms = CASES[case]
     maps = numpy_maps(q, k, SCALE, **terms)
-    want = numpy_metrics(maps, N, terms.get("window", 0))
+    want = numpy_metrics(maps, N, terms.get("window", 0), C=terms.get("chunk", 0))
     got = attention_metrics(q, k, SCALE, N, rows=64, **torch_terms(terms)).numpy()
     for mi, name in enumerate(METRICS[:4] + METRICS[6:]):
         g = got[METRICS.index(name)]
@@ -141,7 +144,7 @@ def test_vision_share_counts_visible_image_keys_only():
 def test_a_layer_spec_is_plain_only_without_terms_and_stays_hashable():
     base = dict(index=0, name="l0", num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=SCALE)
     assert LayerSpec(**base).plain
-    for extra in (dict(soft_cap=30.0), dict(window=16), dict(sinks=(0.0,) * HQ)):
+    for extra in (dict(soft_cap=30.0), dict(window=16), dict(sinks=(0.0,) * HQ), dict(chunk=32)):
         spec = LayerSpec(**base, **extra)
         assert not spec.plain
         hash(spec)
@@ -221,7 +224,7 @@ def test_the_window_is_read_in_each_backends_convention():
     assert _window(NS(sliding_window=None)) == 0
     assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=(15, 3), alibi_slopes=None))) is not None
     assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=None, alibi_slopes=None),
-                       attention_chunk_size=8192)) == "chunked local attention (8192)"
+                       attention_chunk_size=8192)) is None  # Llama 4's chunks: captured, LayerSpec.chunk
     assert _refusal(NS(impl=NS(attn_type="decoder", sliding_window=16, alibi_slopes=None, sinks=None,
                                logits_soft_cap=30.0))) is None  # captured now, with its terms
     impl = NS(num_heads=4, logits_soft_cap=30.0, sliding_window=-1, sinks=torch.tensor([1.0, 2.0, 3.0, 4.0]))

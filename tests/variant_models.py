@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 WINDOW = 16
+CHUNK = 32
 VOCAB = 512
 
 
@@ -91,4 +92,22 @@ def build_qwen3_next(path: Path) -> str:
                           initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg.layer_types = ["linear_attention"] * 3 + ["full_attention"]
     model = Qwen3NextForCausalLM(cfg)
+    return _save(model, path)
+
+
+def build_llama4(path: Path) -> str:
+    """A Llama-4-shaped text model: chunked local attention (chunk 32; the CPU build wants a block size of 32) with RoPE and QK-norm on layers 0-2, a
+    global NoPE layer 3 (Llama 4's one in four), dense MLPs (an MoE's top-1 routing flips between bf16 and
+    float32 and would blur the comparison with HF; the attention is what is tested)."""
+    import torch
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    cfg = Llama4TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, intermediate_size_mlp=256,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                           num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=5,
+                           attention_chunk_size=CHUNK, no_rope_layers=[1, 1, 1, 0], max_position_embeddings=1024,
+                           initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                           attn_temperature_tuning=True, floor_scale=16, attn_scale=0.1)
+    model = Llama4ForCausalLM(cfg)
     return _save(model, path)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 
 def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
@@ -27,8 +28,10 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     from attn_otel import vllm_adapter
     from attn_otel.ids import new_span_id, new_trace_id
 
+    # the CPU build's chunked local attention (Llama 4) wants blocks of 32, which divide the chunk
+    chunked = json.loads((Path(model) / "config.json").read_text()).get("attention_chunk_size")
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=32,
-              max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=16,
+              max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=32 if chunked else 16,
               num_gpu_blocks_override=num_blocks)
     rng = np.random.default_rng(0)
 
@@ -59,7 +62,7 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     (engine,) = vllm_adapter.engines()
     assert engine.flush(120), "captures not written within 120 s"
     specs = [{"index": s.index, "window": s.window, "soft_cap": s.soft_cap, "sinks": s.sinks,
-              "scale": s.scale, "group": s.group, "slots_from": s.slots_from, "latent": s.latent,
+              "scale": s.scale, "group": s.group, "slots_from": s.slots_from, "latent": s.latent, "chunk": s.chunk,
               "head_dim": s.head_dim, "num_kv_heads": s.num_kv_heads} for s in engine.layers]
     kv = llm.llm_engine.vllm_config.cache_config
     stats = engine.stats_snapshot()
