@@ -132,6 +132,10 @@ _REASONS = "attn_otel_finish_reasons"  # SchedulerOutput attribute: {request id:
 # request's generated ids only as far as its runner keeps them on the host: vLLM's V1 runner under async
 # scheduling (DeepSeek, gpt-oss, hybrids: models not on the default "model runner V2") keeps -1 placeholders.
 _OUTPUTS = "attn_otel_output_ids"
+# SchedulerOutput attribute: {request id: its prompt + output token count}.  With speculative decoding the worker
+# has run draft tokens past the end (rejected, or cut by max_tokens or a stop): the capture keeps the sequence's
+# own positions, count - 1 (the last sampled token never goes through the model).
+_LENGTHS = "attn_otel_lengths"
 # Prefix of the marker ids the front end adds to an abort for requests it stopped on a stop string (NUL: no
 # request id from HTTP or the offline counter has one; an unpatched engine core ignores an unknown id).
 _STOP_MARK = "\x00attn-otel:stop\x00"
@@ -206,6 +210,7 @@ def _note_finish_reason(orig, scheduler, request, *args, **kwargs):
             if reason == "abort" and request.request_id in scheduler.__dict__.get("_attn_otel_stops", ()):
                 reason = "stop"  # stopped by the front end on a stop string (see _patch_scheduler)
             scheduler.__dict__.setdefault("_attn_otel_reasons", {})[request.request_id] = reason
+        scheduler.__dict__.setdefault("_attn_otel_lengths", {})[request.request_id] = int(request.num_tokens)
         if _store_tokens():
             scheduler.__dict__.setdefault("_attn_otel_outputs", {})[request.request_id] = [
                 int(t) for t in request.output_token_ids]
@@ -216,7 +221,8 @@ def _note_finish_reason(orig, scheduler, request, *args, **kwargs):
 
 def _hand_over_finish_reasons(orig, scheduler, *args, **kwargs):
     out = orig(scheduler, *args, **kwargs)
-    for key, attr in (("_attn_otel_reasons", _REASONS), ("_attn_otel_outputs", _OUTPUTS)):
+    for key, attr in (("_attn_otel_reasons", _REASONS), ("_attn_otel_outputs", _OUTPUTS),
+                      ("_attn_otel_lengths", _LENGTHS)):
         noted = scheduler.__dict__.get(key)
         if noted:
             try:
@@ -1026,6 +1032,7 @@ def _track(runner, engine, so) -> None:
             continue
         done.append((req_id, t))
     reasons = getattr(so, _REASONS, None) or {}  # see _patch_scheduler
+    lengths = getattr(so, _LENGTHS, None) or {}  # speculative decoding: drafts run past the end are not the request's
     # token ids only where they are stored (ATTN_OTEL_STORE_TOKENS): no gather of them otherwise
     tokens = (_output_tokens(runner, [r for r, _ in done]) if engine.config.store_tokens
               else [(None, None)] * len(done))
@@ -1034,7 +1041,7 @@ def _track(runner, engine, so) -> None:
     # token ids copied on the engine's stream (the runner reuses their rows); the rest on the side stream
     finished = [FinishedRequest(
         request_id=str(req_id), prompt_token_ids=t.prompt_token_ids, output_token_ids=outputs,
-        num_tokens=t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes, extra_args=t.extra_args,
+        num_tokens=min(t.written, lengths[req_id] - 1) if req_id in lengths else t.written, block_ids=t.block_ids, block_sizes=engine.block_sizes, extra_args=t.extra_args,
         vision_positions=t.vision_positions, token_ids_device=device_ids, finish_reason=reasons.get(req_id))
         for (req_id, t), (outputs, device_ids) in zip(done, tokens)]
     preempted = list(getattr(so, "preempted_req_ids", None) or ())
