@@ -891,12 +891,7 @@ def _tap_layer(engine, spec, layer) -> bool:
             orig_update(*update)
         result = orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         if checked and attn_metadata is not None and slot_mapping is not None:
-            try:  # ATTN_OTEL_VERIFY: the output as the backend computed it, for the planned requests
-                out = kwargs.get("output", args[0] if args else None)
-                out = result if out is None else out
-                maptap.write_out(index, out.view(out.shape[0], spec.num_heads, -1), slot_mapping)
-            except Exception:  # noqa: BLE001
-                engine.warn_once("verify", "keeping the attention output of %s failed", name, exc=True)
+            _keep_output(engine, maptap, spec, result, args, kwargs, slot_mapping)
         return result
 
     forward._attn_otel = True  # type: ignore[attr-defined]
@@ -916,6 +911,17 @@ def _tap_layer(engine, spec, layer) -> bool:
     return True
 
 
+def _keep_output(engine, maptap, spec, result, args, kwargs, slot_mapping) -> None:
+    """ATTN_OTEL_VERIFY, after a wrapped attention call (graph-safe): its output as the backend computed it
+    (the ``output`` argument, else the return value), the planned requests' rows into the map pool."""
+    try:
+        out = kwargs.get("output", args[0] if args else None)
+        out = result if out is None else out
+        maptap.write_out(spec.index, out.view(out.shape[0], spec.num_heads, -1), slot_mapping)
+    except Exception:  # noqa: BLE001
+        engine.warn_once("verify", "keeping the attention output of %s failed", spec.name, exc=True)
+
+
 def _tap_mla_layer(engine, spec, layer) -> bool:
     """Wrap an MLA layer's ``forward_impl`` (what vLLM's attention op calls, after its latent-cache write) so
     that each forward keeps its queries, absorbed as vLLM's decode path absorbs them: ``[q_nope W_UK^T | q_pe]``
@@ -932,6 +938,7 @@ def _tap_mla_layer(engine, spec, layer) -> bool:
     tap = engine.stream if spec.index in engine.streamed else engine.tap
     maptap = engine.maptap if engine.maptap is not None and index in engine.maptap.layers else None
     checked = maptap is not None and index in maptap.out
+    keyed = tap is not engine.stream or index in tap.k_tap  # keys kept by attn-otel, not read from vLLM's cache
     w_uk_t = layer.W_UK_T  # [Hq, P, L]
 
     def forward_impl(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs):
@@ -948,7 +955,8 @@ def _tap_mla_layer(engine, spec, layer) -> bool:
                     n = slot_mapping.shape[0]
                     qn = q[:n]
                     qa = torch.cat([torch.bmm(qn[..., :P].transpose(0, 1), w_uk_t).transpose(0, 1), qn[..., P:]], -1)
-                    key = torch.cat([k_c_normed[:n], k_pe[:n].reshape(n, -1)], -1).unsqueeze(1)
+                    key = (torch.cat([k_c_normed[:n], k_pe[:n].reshape(n, -1)], -1).unsqueeze(1) if keyed
+                           else None)
                     tap.write(index, qa, key, slot_mapping)
                     if maptap is not None:
                         maptap.write(index, qa, slot_mapping, k_c_normed[:n].unsqueeze(1))
@@ -956,13 +964,8 @@ def _tap_mla_layer(engine, spec, layer) -> bool:
                 engine.warn_once("tap", "query tap of MLA layer %s failed; its captures will be wrong or dropped",
                                  name, exc=True)
         result = orig(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs)
-        if checked and attn_metadata is not None and slot_mapping is not None:
-            try:  # ATTN_OTEL_VERIFY: the layer's output (after W_UV), for the planned requests
-                out = kwargs.get("output", args[0] if args else None)
-                out = result if out is None else out
-                maptap.write_out(index, out.view(out.shape[0], spec.num_heads, -1), slot_mapping)
-            except Exception:  # noqa: BLE001
-                engine.warn_once("verify", "keeping the attention output of %s failed", name, exc=True)
+        if checked and attn_metadata is not None and slot_mapping is not None:  # MLA: the output after W_UV
+            _keep_output(engine, maptap, spec, result, args, kwargs, slot_mapping)
         return result
 
     forward_impl._attn_otel = True  # type: ignore[attr-defined]
