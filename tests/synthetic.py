@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 from numpy_metrics import per_row_metrics
 
 from attn_otel.ids import new_span_id, new_trace_id
+from zarr.storage import WrapperStore
+
 from attn_otel.store import CaptureRecord, open_zarr_store, write_capture
 
 
@@ -105,6 +108,27 @@ def big_record(trace_id: str, request_id: str, layers: int, heads: int, T: int) 
     return CaptureRecord(trace_id=trace_id, request_id=request_id, span_id=new_span_id(), parent_span_id=None,
                          prompt_len=T - 1, num_tokens=T, layers=tuple(range(layers)), num_heads=heads,
                          model="synthetic", mode="maps", maps=maps)
+
+
+class CountingStore(WrapperStore):
+    """Counts reads by key: what a reader really fetches from the store."""
+
+    def __init__(self, store, reads: Counter | None = None):
+        super().__init__(store)
+        self.reads = Counter() if reads is None else reads
+
+    def _with_store(self, store):
+        return type(self)(store, self.reads)
+
+    async def get(self, key, prototype, byte_range=None):
+        self.reads[key] += 1
+        return await self._store.get(key, prototype, byte_range)
+
+    async def get_partial_values(self, prototype, key_ranges):
+        key_ranges = list(key_ranges)
+        for key, _ in key_ranges:
+            self.reads[key] += 1
+        return await self._store.get_partial_values(prototype, key_ranges)
 
 
 if __name__ == "__main__":

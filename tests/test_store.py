@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import synthetic
-from synthetic import big_record, make_record, write
-from zarr.storage import WrapperStore
+from synthetic import CountingStore, big_record, make_record, write
 
 from attn_otel.ids import InvalidTraceId, new_trace_id
 from attn_otel.metrics import summarize, summary_to_array
@@ -30,27 +29,6 @@ FORMAT2_METRICS_TRACE = "b7ad6b7169203331a3a2d4e1f0c9e8d7"
 
 def _marker(record) -> str:
     return f"{capture_prefix(record.trace_id, record.request_id)}/{MARKER}"
-
-
-class CountingStore(WrapperStore):
-    """Counts reads by key: what a reader really fetches from the store."""
-
-    def __init__(self, store, reads: Counter | None = None):
-        super().__init__(store)
-        self.reads = Counter() if reads is None else reads
-
-    def _with_store(self, store):
-        return type(self)(store, self.reads)
-
-    async def get(self, key, prototype, byte_range=None):
-        self.reads[key] += 1
-        return await self._store.get(key, prototype, byte_range)
-
-    async def get_partial_values(self, prototype, key_ranges):
-        key_ranges = list(key_ranges)
-        for key, _ in key_ranges:
-            self.reads[key] += 1
-        return await self._store.get_partial_values(prototype, key_ranges)
 
 
 class StoreContract:

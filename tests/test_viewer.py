@@ -9,8 +9,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from synthetic import make_record, write
-from zarr.storage import LocalStore, WrapperStore
+from synthetic import CountingStore, make_record, write
+from zarr.storage import LocalStore
 
 from attn_otel import cli, viewer
 from attn_otel.metrics import summarize
@@ -36,21 +36,6 @@ def captured(store):
     write(store, record)
     (cap,) = open_trace(record.trace_id, store)
     return cap, record
-
-
-class CountingStore(WrapperStore):
-    """Counts the chunk reads a reader makes, by key."""
-
-    def __init__(self, store, reads=None):
-        super().__init__(store)
-        self.reads = Counter() if reads is None else reads
-
-    def _with_store(self, store):
-        return type(self)(store, self.reads)
-
-    async def get(self, key, prototype, byte_range=None):
-        self.reads[key] += 1
-        return await self._store.get(key, prototype, byte_range)
 
 
 def _data(page: str) -> dict:
