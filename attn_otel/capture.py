@@ -48,7 +48,8 @@ class CaptureEngine:
     def __init__(self, config: Config, layers: Sequence[LayerSpec], num_slots: int, dtype: torch.dtype,
                  device, model: str = "", engine_version: str = "", attrs: dict[str, Any] | None = None,
                  parallel: Parallel | None = None, stream: MetricsStream | None = None,
-                 map_layers: Sequence[int] | None = None, map_tap_rows: int = 0):
+                 map_layers: Sequence[int] | None = None, map_tap_rows: int = 0,
+                 block_sizes: Sequence[int] = ()):
         self.config = config
         self.layers = list(layers)
         self.layer_ids = tuple(s.index for s in self.layers)
@@ -68,8 +69,13 @@ class CaptureEngine:
         self.map_layers = tuple(map_layers)
         # The streamed map layers keep queries only for the requests planned for maps (attn_otel.arrival).
         mapped = [s for s in stream.layers if s.index in self.map_layers] if stream is not None else []
+        # ATTN_OTEL_VERIFY: the tapped map layers of the same slots keep their output rows there too
+        group = stream.group if stream is not None else tapped[0].group if tapped else 0
+        block_size = stream.block_size if stream is not None else block_sizes[group] if block_sizes else 0
+        checked = [s for s in tapped if s.index in self.map_layers and s.group == group] if (
+            config.verify and block_size) else []
         self.maptap = (MapTap(mapped, num_slots, map_tap_rows or config.max_map_tokens, dtype, device,
-                              stream.block_size, stream.group, self.side) if mapped else None)
+                              block_size, group, self.side, checked) if mapped or checked else None)
         self.fused_kv_layers = 0  # layers whose K/V write to vLLM's cache shares the Q write's launch (adapter)
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
         self._fused = triton_metrics.available(self.device, [s.head_dim for s in layers])

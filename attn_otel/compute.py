@@ -131,7 +131,12 @@ class ComputeThread:
                 if streamed is None:
                     streamed = self.stream.gather(slots_by_group[spec.group])  # [streamed layers, T, 7, H]
             else:
-                checks.append(None)
+                check = None
+                if plan.want_maps and self.maptap is not None and spec.index in self.maptap.checked:
+                    if map_rows is None:
+                        map_rows = self.maptap.rows_of(plan.req.request_id, plan.T)
+                    check = self.maptap.gather_check(spec.index, map_rows, slots_by_group[spec.group])
+                checks.append(check)
                 qk.append(self.tap.gather(spec.index, slots_by_group[spec.group]))
         record, tokens_dev = self.planner.record(plan)
         ready = None

@@ -132,8 +132,11 @@ class MapTap:
     prefix-cache hit nothing prevented) is captured without maps, and counted."""
 
     def __init__(self, layers: Sequence[LayerSpec], num_slots: int, rows: int, dtype: torch.dtype, device,
-                 block_size: int, group: int, side=None):
+                 block_size: int, group: int, side=None, checked: Sequence[LayerSpec] = ()):
         self.layers = {s.index: s for s in layers}
+        # ATTN_OTEL_VERIFY only: layers whose queries the Q/K tap keeps (a window, soft-cap or sinks; tapped by
+        # this group's slots), here for their output (and value) rows, on the same rows as the map layers
+        self.checked = {s.index: s for s in checked}
         self.num_slots, self.rows = int(num_slots), int(rows)
         self.block_size, self.group = int(block_size), int(group)
         self.dtype = dtype
@@ -165,7 +168,7 @@ class MapTap:
                v_up: torch.Tensor | None = None) -> None:
         """Keep ``layer``'s output rows (and its value rows unless ``value_cache`` gives vLLM's values); an MLA
         layer's values are its latent rows, up-projected per head by ``v_up`` (``W_UV``) at the check."""
-        s = self.layers[layer]
+        s = self.layers.get(layer) or self.checked[layer]
         self.out[layer] = torch.zeros((self.rows + 1, s.num_heads, head_dim_v), dtype=self.dtype, device=self.device)
         if v_up is not None:
             self.v_up[layer] = v_up
@@ -179,6 +182,10 @@ class MapTap:
               value: torch.Tensor | None = None) -> None:
         """In the forward (graph-safe): this step's queries of ``layer``, the planned requests' to their rows."""
         v = self.v.get(layer) if value is not None else None
+        if layer not in self.q:  # a checked layer: its queries are in the Q/K tap, only its values here
+            if v is not None:
+                triton_metrics.scatter_rows(v, value, slot_mapping, self.num_slots, table=self.row_of_slot)
+            return
         triton_metrics.scatter_rows(self.q[layer], query, slot_mapping, self.num_slots, table=self.row_of_slot,
                                     dst2=v, src2=value if v is not None else None)
 

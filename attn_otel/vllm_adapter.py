@@ -556,8 +556,8 @@ def _model_dtype(runner):
 
 def _cache_views(layer, spec, dtype):
     """``(kv_cache, key_cache, value_cache)``: the layer's bound cache tensor and ``[blocks, block_size, Hkv,
-    D]`` views of its keys and values, or None where the layout is not one this knows (only FLASH_ATTN with
-    an unquantised cache qualifies)."""
+    D]`` views of its keys and values, or None where the layout is not one this knows (FLASH_ATTN's and
+    TRITON_ATTN's, unquantised or per-tensor fp8, and MLA's latent rows)."""
     import torch
 
     kv = getattr(layer, "kv_cache", None)
@@ -603,14 +603,20 @@ def _flash_unquantised(impl) -> bool:
     return type(impl).__name__ == "FlashAttentionImpl" and _kv_dtype(impl) == "auto"
 
 
+# vLLM 0.26's FLASH_ATTN and TRITON_ATTN keep one layout, (blocks, Hkv, block_size, K|V), and one fp8 scheme:
+# the cache holds k / k_scale (per tensor), the query is quantised by q_scale where the backend takes fp8 queries.
+_PAGED_IMPLS = ("FlashAttentionImpl", "TritonAttentionImpl")
+
+
 def _flash_readable(impl) -> bool:
-    """FLASH_ATTN with an unquantised or fp8 KV cache: the layouts :func:`_cache_views` reads."""
-    return type(impl).__name__ == "FlashAttentionImpl" and _kv_dtype(impl) in ("auto", *_FP8)
+    """FLASH_ATTN or TRITON_ATTN with an unquantised or per-tensor fp8 KV cache: the layouts
+    :func:`_cache_views` reads (TRITON_ATTN's per-token-head scales are not among them)."""
+    return type(impl).__name__ in _PAGED_IMPLS and _kv_dtype(impl) in ("auto", *_FP8)
 
 
 def _cache_readable(layer, device_type: str) -> bool:
-    """Whether attn-otel reads the layer's keys (and values) from vLLM's cache: FLASH_ATTN on a GPU with an
-    unquantised or fp8 cache, and MLA's latent cache on any device (its one layout)."""
+    """Whether attn-otel reads the layer's keys (and values) from vLLM's cache: FLASH_ATTN or TRITON_ATTN on a
+    GPU with an unquantised or fp8 cache, and MLA's latent cache on any device (its one layout)."""
     if _is_mla(layer):
         return True
     return device_type == "cuda" and _flash_readable(layer.impl)
@@ -623,13 +629,14 @@ def _keys_from_cache(layers: list, device_type: str) -> bool:
 
 def _fp8_terms(layer) -> tuple[float, str | None]:
     """An fp8 KV cache's factor on the layer's scale, or a refusal.  The cache holds ``k / k_scale`` in fp8
-    (and FLASH_ATTN gets ``q / q_scale`` in fp8 too); the captures read those very values, exactly, and
+    (and FLASH_ATTN or TRITON_ATTN get ``q / q_scale`` in fp8 too); the captures read those very values, exactly, and
     put ``q_scale * k_scale`` into the logits' scale, as the kernel's descaling does."""
     impl = layer.impl
     if _is_mla(layer) or _kv_dtype(impl) not in _FP8:  # MLA: refused with a quantised cache (_mla_refusal)
         return 1.0, None
     if not _flash_readable(impl):
-        return 1.0, f"fp8 KV cache on {type(impl).__name__} (attn-otel reads fp8 keys from FLASH_ATTN's cache)"
+        return 1.0, (f"{_kv_dtype(impl)} KV cache on {type(impl).__name__} (attn-otel reads per-tensor fp8 keys from "
+                     "FLASH_ATTN's and TRITON_ATTN's cache)")
     if getattr(layer, "calculate_kv_scales", False):
         return 1.0, "fp8 KV cache with scales computed at run time (calculate_kv_scales)"
     factor = float(getattr(layer, "_k_scale_float", 1.0))
@@ -779,13 +786,16 @@ def _install(runner, kv_cache_config) -> None:
     engine = CaptureEngine(config, specs, num_slots, dtype, runner.device,
                            model=model, engine_version=f"vllm {vllm.__version__}",
                            attrs={"attention_impl": backend, "layer_kinds": _layer_kinds(runner, specs)}, parallel=par, stream=stream, map_layers=maps,
-                           map_tap_rows=_map_tap_rows(config))
+                           map_tap_rows=_map_tap_rows(config), block_sizes=block_sizes)
     engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()
     if config.verify and engine.maptap is not None:
-        for s in engine.maptap.layers.values():
+        for s in (*engine.maptap.layers.values(), *engine.maptap.checked.values()):
             layer = layers[s.name]
-            views = _cache_views(layer, s, dtype) if _cache_readable(layer, runner.device.type) else None
+            # values from vLLM's cache where it is read by this layer's own slots (a windowed layer tapped by a
+            # full group's slots keeps its value rows from the forward instead)
+            views = _cache_views(layer, s, dtype) if (
+                _cache_readable(layer, runner.device.type) and not s.slots_from) else None
             scale = float(getattr(layer, "_v_scale_float", 1.0)) if _kv_dtype(layer.impl) in _FP8 else 1.0
             if s.latent:  # MLA: maps x c_kv, up-projected by the layer's W_UV, against its output
                 engine.maptap.verify(s.index, int(layer.v_head_dim), (views[2], 1.0) if views is not None else None,
@@ -844,7 +854,8 @@ def _tap_layer(engine, spec, layer) -> bool:
     slots_name = spec.slots_from or name  # a windowed layer may tap by a full-attention layer's slots
     if spec.index in engine.streamed:
         tap = engine.stream
-    maptap = engine.maptap if engine.maptap is not None and index in engine.maptap.layers else None
+    maptap = engine.maptap if engine.maptap is not None and (
+        index in engine.maptap.layers or index in engine.maptap.checked) else None
     fused = None
     if engine.config.kv_write == "fused" and not spec.slots_from and not (
             spec.index in engine.streamed and spec.index in tap.k_tap):
@@ -857,6 +868,10 @@ def _tap_layer(engine, spec, layer) -> bool:
     owed: list = []  # the arguments of a do_kv_cache_update that left its write to the forward
 
     checked = maptap is not None and index in maptap.out
+    # where this tap keeps the layer's keys itself (not read from vLLM's cache): an fp8 cache's values of them
+    keeps_keys = spec.index not in engine.streamed or spec.index in engine.stream.k_tap
+    quantise = _fp8_rounding(layer, engine.tap.dtype, "k") if keeps_keys else None
+    values = _fp8_rounding(layer, engine.tap.dtype, "v") if maptap is not None and index in maptap.v else None
 
     def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
         update = owed.pop() if owed else None
@@ -881,9 +896,10 @@ def _tap_layer(engine, spec, layer) -> bool:
                     if q.element_size() == 1:  # fp8-quantised query: its values, exactly (q_scale is in
                         q = q.to(engine.tap.dtype)  # the layer's scale, see _fp8_terms)
                     kv = (update[1], update[2], *views) if update is not None else None
-                    wrote = tap.write(index, q, key, slot_mapping, kv=kv)
+                    k = key if quantise is None else quantise(key)  # what an fp8 cache holds
+                    wrote = tap.write(index, q, k, slot_mapping, kv=kv)
                     if maptap is not None:
-                        maptap.write(index, q, slot_mapping, value)
+                        maptap.write(index, q, slot_mapping, value if values is None else values(value))
             except Exception:  # noqa: BLE001
                 engine.warn_once("tap", "Q/K tap of %s failed; its captures will be wrong or dropped", name,
                                  exc=True)
@@ -909,6 +925,29 @@ def _tap_layer(engine, spec, layer) -> bool:
     do_kv_cache_update._attn_otel = True  # type: ignore[attr-defined]
     impl.do_kv_cache_update = do_kv_cache_update
     return True
+
+
+def _fp8_rounding(layer, dtype, which: str = "k"):
+    """For a layer with an fp8 KV cache, a function giving its keys (``which="k"``) as the cache holds them,
+    ``k / k_scale`` rounded to the cache's fp8 format (saturating, as vLLM's cache write does) and widened to
+    ``dtype`` (exactly; the layer's scale carries ``k_scale``, :func:`_fp8_terms`), or its values
+    (``which="v"``) as the kernel's P V reads them, rounded so and multiplied back by ``v_scale``.  None for
+    other caches.  Used where attn-otel keeps keys or values from the forward rather than reading vLLM's cache
+    (windowed, soft-capped and sink layers; ATTN_OTEL_VERIFY's value rows)."""
+    import torch
+
+    cache_dtype = _kv_dtype(getattr(layer, "impl", None))
+    scale = getattr(layer, f"_{which}_scale", None)
+    if cache_dtype not in _FP8 or _is_mla(layer) or not isinstance(scale, torch.Tensor):
+        return None
+    f8 = torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+    big = float(torch.finfo(f8).max)
+
+    def rounded(x):
+        r = (x.float() / scale).clamp(-big, big).to(f8)
+        return (r.to(dtype) if which == "k" else (r.float() * scale).to(dtype))
+
+    return rounded
 
 
 def _keep_output(engine, maptap, spec, result, args, kwargs, slot_mapping) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from reference import hf_attention, row_tv
+from reference import check_reconstruction, hf_attention, row_tv
 from variant_models import WINDOW, build_gemma2, build_gptoss
 
 import attn_otel
@@ -97,9 +97,14 @@ def test_every_layer_is_captured_with_its_terms(served):
 
 def test_maps_match_hf_eager_within_bf16_drift(served):
     which, model, store, got = served
-    tv_cap, tv_drift, sum_cap, sum_drift = {}, {}, [], []
+    tv_cap, tv_drift, sum_cap, sum_drift, recon = {}, {}, [], [], []
     for r in got["requests"]:
         (cap,) = attn_otel.open_trace(r["trace_id"], store=store)
+        # maps x V (V read back from vLLM's cache where attn-otel reads it, else the forward's) give the layer's
+        # own output, window, soft-cap and sink terms included
+        # gpt-oss: one (row, head) in about 400 reconstructs at exactly 1.0 (A V = 0 against a non-zero output) on the
+        # CPU build and on the H100, bf16 and fp8 alike: an open defect (docs/known-limits.md); its max is reported
+        recon.append(check_reconstruction(cap, check_max=which != "gptoss"))
         ids = r["prompt"] + r["output"]
         T = len(ids) - 1
         assert cap.num_tokens == T
@@ -124,7 +129,8 @@ def test_maps_match_hf_eager_within_bf16_drift(served):
                 assert ref[li].sum(-1).min() < 0.9  # the sinks do take mass
                 sum_cap.append(np.abs(sums - ref[li].sum(-1)).ravel())
                 sum_drift.append(np.abs(bf[li].sum(-1) - ref[li].sum(-1)).ravel())
-    report = {}
+    report = {"attention_impl": got["attention_impl"],
+              "reconstruction_p99_max": max(x["p99"] for x in recon), "reconstruction_max": max(x["max"] for x in recon)}
     if sum_cap:  # row sums (1 - sink share) against HF's, within the same drift bound
         c, d = stats(np.concatenate(sum_cap)), stats(np.concatenate(sum_drift))
         report["row_sum_abs_diff"] = {"capture": c, "bf16_drift": d}

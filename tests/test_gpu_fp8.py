@@ -1,6 +1,7 @@
 """fp8 KV cache on an NVIDIA GPU: the maps are what the served model computed from its fp8 cache.
 
-Run on the lent GPU machine: ``python3 -P -m pytest -m gpu tests/test_gpu_fp8.py``.  The small random-weight
+Run on the lent GPU machine: ``python3 -P -m pytest -m gpu tests/test_gpu_fp8.py``; ``TEST_ATTENTION_BACKEND``
+(FLASH_ATTN, TRITON_ATTN, ...) and ``TEST_KV_DTYPE`` (fp8, fp8_e4m3, fp8_e5m2) pick another backend or format.  The small random-weight
 Llama of tests/test_gpu.py, served with ``kv_cache_dtype="fp8"`` in vLLM's default config (FLASH_ATTN with
 FlashAttention 3 quantises the queries too).  With ``ATTN_OTEL_VERIFY=1`` each maps capture checks itself:
 maps times the values read back from vLLM's fp8 cache (dequantised with the layer's v_scale) must give the
@@ -21,6 +22,8 @@ import attn_otel
 from attn_otel.ids import new_span_id, new_trace_id
 
 pytestmark = pytest.mark.gpu
+BACKEND = os.environ.get("TEST_ATTENTION_BACKEND") or None  # None: the one vLLM picks (FLASH_ATTN on an H100)
+KV_DTYPE = os.environ.get("TEST_KV_DTYPE", "fp8")
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,8 @@ def fp8_engine(gpu_model, tmp_path_factory):  # noqa: F811
     from vllm import LLM
 
     llm = LLM(model=gpu_model, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=256,
-              gpu_memory_utilization=0.3, seed=0, kv_cache_dtype="fp8")
+              gpu_memory_utilization=0.3, seed=0, kv_cache_dtype=KV_DTYPE,
+              attention_backend=BACKEND)
     return llm, store
 
 
@@ -54,13 +58,13 @@ def test_fp8_maps_reconstruct_the_backends_output(fp8_engine, gpu_model):  # noq
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.llm_engine.step()
     assert engine.flush(120)
-    results = {"attention_impl": engine.attrs["attention_impl"], "kv_cache_dtype": "fp8",
+    results = {"attention_impl": engine.attrs["attention_impl"], "kv_cache_dtype": KV_DTYPE,
                "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
     recon, cal = [], Calibrated()
     for out, t in zip(outs, traces):
         (cap,) = attn_otel.open_trace(t, store)
         assert cap.has_maps and cap.layers == list(range(LAYERS)) and cap.num_heads == HEADS
-        recon.append(check_reconstruction(cap, kv_dtype="fp8"))
+        recon.append(check_reconstruction(cap, kv_dtype=KV_DTYPE))
         ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         fp32, bf16 = hf_references(gpu_model, ids[: cap.num_tokens], device="cuda")
         cal.add_maps("tv", cap.maps(), fp32, bf16)
@@ -70,7 +74,8 @@ def test_fp8_maps_reconstruct_the_backends_output(fp8_engine, gpu_model):  # noq
     results["stats"] = engine.stats.snapshot()
     print("GPU fp8:", json.dumps(results))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_fp8.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"gpu_fp8-{BACKEND or 'default'}-{KV_DTYPE}.json"), "w") as f:
             json.dump(results, f, indent=1)
-    assert results["attention_impl"].startswith("FlashAttention")
+    assert results["attention_impl"].startswith({"TRITON_ATTN": "Triton", "FLASHINFER": "FlashInfer"}.get(
+        BACKEND, "FlashAttention"))
     assert not results["stats"]["dropped"]

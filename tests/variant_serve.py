@@ -30,9 +30,14 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
 
     # the CPU build's chunked local attention (Llama 4) wants blocks of 32, which divide the chunk
     chunked = json.loads((Path(model) / "config.json").read_text()).get("attention_chunk_size")
+    # on the GPU machine TEST_ATTENTION_BACKEND picks vLLM's attention backend (FLASH_ATTN, TRITON_ATTN, FLASHINFER)
+    # and TEST_KV_DTYPE the KV cache's format (auto, fp8, fp8_e4m3, fp8_e5m2)
+    backend = os.environ.get("TEST_ATTENTION_BACKEND") or None
+    kv_dtype = os.environ.get("TEST_KV_DTYPE", "auto")
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=32,
               max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=32 if chunked else 16,
-              num_gpu_blocks_override=num_blocks)
+              num_gpu_blocks_override=num_blocks, attention_backend=backend,
+              kv_cache_dtype=kv_dtype)
     rng = np.random.default_rng(0)
 
     def ids(n):
