@@ -51,6 +51,7 @@ class CaptureEngine:
                  map_layers: Sequence[int] | None = None, map_tap_rows: int = 0,
                  block_sizes: Sequence[int] = ()):
         self.config = config
+        self.block_sizes = list(block_sizes)  # per KV-cache group (the adapter's, from vLLM's cache config)
         self.layers = list(layers)
         self.layer_ids = tuple(s.index for s in self.layers)
         self.device = torch.device(device)
@@ -71,7 +72,7 @@ class CaptureEngine:
         mapped = [s for s in stream.layers if s.index in self.map_layers] if stream is not None else []
         # ATTN_OTEL_VERIFY: the tapped map layers of the same slots keep their output rows there too
         group = stream.group if stream is not None else tapped[0].group if tapped else 0
-        block_size = stream.block_size if stream is not None else block_sizes[group] if block_sizes else 0
+        block_size = stream.block_size if stream is not None else self.block_sizes[group] if self.block_sizes else 0
         checked = [s for s in tapped if s.index in self.map_layers and s.group == group] if (
             config.verify and block_size) else []
         self.maptap = (MapTap(mapped, num_slots, map_tap_rows or config.max_map_tokens, dtype, device,

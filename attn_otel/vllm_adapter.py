@@ -572,7 +572,7 @@ def _cache_views(layer, spec, dtype):
         return kv, t, t[..., :spec.latent]
     cache_dtype = _kv_dtype(getattr(layer, "impl", None))
     if cache_dtype in _FP8 and kv.element_size() == 1:  # vLLM allocates fp8 caches as bytes
-        kv = kv.view(torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn)
+        kv = kv.view(_fp8_dtype(cache_dtype))
     elif kv.dtype != dtype:
         return None
     D, hkv = spec.head_dim, spec.num_kv_heads
@@ -592,6 +592,13 @@ def _key_cache_view(layer, spec, dtype):
 
 
 _FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _fp8_dtype(cache_dtype: str):
+    """The torch dtype of an fp8 cache format (``fp8`` and ``fp8_e4m3`` are e4m3)."""
+    import torch
+
+    return torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
 
 
 def _kv_dtype(impl) -> str:
@@ -629,8 +636,8 @@ def _keys_from_cache(layers: list, device_type: str) -> bool:
 
 def _fp8_terms(layer) -> tuple[float, str | None]:
     """An fp8 KV cache's factor on the layer's scale, or a refusal.  The cache holds ``k / k_scale`` in fp8
-    (and FLASH_ATTN or TRITON_ATTN get ``q / q_scale`` in fp8 too); the captures read those very values, exactly, and
-    put ``q_scale * k_scale`` into the logits' scale, as the kernel's descaling does."""
+    (and FLASH_ATTN or TRITON_ATTN get ``q / q_scale`` in fp8 too); the captures read those very values,
+    exactly, and put ``q_scale * k_scale`` into the logits' scale, as the kernel's descaling does."""
     impl = layer.impl
     if _is_mla(layer) or _kv_dtype(impl) not in _FP8:  # MLA: refused with a quantised cache (_mla_refusal)
         return 1.0, None
@@ -787,7 +794,6 @@ def _install(runner, kv_cache_config) -> None:
                            model=model, engine_version=f"vllm {vllm.__version__}",
                            attrs={"attention_impl": backend, "layer_kinds": _layer_kinds(runner, specs)}, parallel=par, stream=stream, map_layers=maps,
                            map_tap_rows=_map_tap_rows(config), block_sizes=block_sizes)
-    engine.block_sizes = block_sizes
     engine.tracker = RequestTracker()
     if config.verify and engine.maptap is not None:
         for s in (*engine.maptap.layers.values(), *engine.maptap.checked.values()):
@@ -940,7 +946,7 @@ def _fp8_rounding(layer, dtype, which: str = "k"):
     scale = getattr(layer, f"_{which}_scale", None)
     if cache_dtype not in _FP8 or _is_mla(layer) or not isinstance(scale, torch.Tensor):
         return None
-    f8 = torch.float8_e5m2 if cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+    f8 = _fp8_dtype(cache_dtype)
     big = float(torch.finfo(f8).max)
 
     def rounded(x):

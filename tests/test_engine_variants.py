@@ -102,8 +102,8 @@ def test_maps_match_hf_eager_within_bf16_drift(served):
         (cap,) = attn_otel.open_trace(r["trace_id"], store=store)
         # maps x V (V read back from vLLM's cache where attn-otel reads it, else the forward's) give the layer's
         # own output, window, soft-cap and sink terms included
-        # gpt-oss: one (row, head) in about 400 reconstructs at exactly 1.0 (A V = 0 against a non-zero output) on the
-        # CPU build and on the H100, bf16 and fp8 alike: an open defect (docs/known-limits.md); its max is reported
+        # gpt-oss: one (row, head) in about 400 reconstructs at exactly 1.0 (A V = 0 against a non-zero output) on
+        # the CPU build and on the H100, bf16 and fp8 alike: an open defect (docs/known-limits.md); max reported
         recon.append(check_reconstruction(cap, check_max=which != "gptoss"))
         ids = r["prompt"] + r["output"]
         T = len(ids) - 1

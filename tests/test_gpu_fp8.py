@@ -1,8 +1,8 @@
 """fp8 KV cache on an NVIDIA GPU: the maps are what the served model computed from its fp8 cache.
 
 Run on the lent GPU machine: ``python3 -P -m pytest -m gpu tests/test_gpu_fp8.py``; ``TEST_ATTENTION_BACKEND``
-(FLASH_ATTN, TRITON_ATTN, ...) and ``TEST_KV_DTYPE`` (fp8, fp8_e4m3, fp8_e5m2) pick another backend or format.  The small random-weight
-Llama of tests/test_gpu.py, served with ``kv_cache_dtype="fp8"`` in vLLM's default config (FLASH_ATTN with
+(FLASH_ATTN, TRITON_ATTN, ...) and ``TEST_KV_DTYPE`` (fp8, fp8_e4m3, fp8_e5m2) pick another backend or format.
+The small random-weight Llama of tests/test_gpu.py, served with ``kv_cache_dtype="fp8"`` in vLLM's default config (FLASH_ATTN with
 FlashAttention 3 quantises the queries too).  With ``ATTN_OTEL_VERIFY=1`` each maps capture checks itself:
 maps times the values read back from vLLM's fp8 cache (dequantised with the layer's v_scale) must give the
 layer's attention output as FA3 computed it, within what FA3's fp8 path allows (it rounds P to e4m3 for the
