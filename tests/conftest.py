@@ -13,6 +13,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 # the same engine took 49 s instead of 124 s.  Same compiler, same graph; only where the result is cached.
 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
+# The variables that steer attn-otel and the test harness.  A test module that sets one at import (for its
+# own engine) would change every engine test collected after it: stop 28's CI served every CPU variant
+# model with an fp8 KV cache because tests/test_gpu_variants.py, deselected but still imported, had set
+# TEST_KV_DTYPE.  Collection must leave them as it found them.
+_STEERING = ("ATTN_OTEL", "TEST_", "VLLM_")
+_env_at_start: dict[str, str] = {}
+
+
+def _steering_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_STEERING)}
+
+
+def pytest_configure(config):
+    _env_at_start.update(_steering_env())
+
+
+def pytest_collection_finish(session):
+    now = _steering_env()
+    changed = sorted(k for k in set(now) | set(_env_at_start) if now.get(k) != _env_at_start.get(k))
+    if changed:
+        raise pytest.UsageError(f"importing the test modules changed {', '.join(changed)} in os.environ; "
+                                "set them in a fixture or pass them to the subprocess instead")
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:

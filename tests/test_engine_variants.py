@@ -12,6 +12,7 @@ requests' rows, capture TV <= 3 * drift TV + 0.02 on the median and the p99."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,15 @@ pytestmark = pytest.mark.engine
 HERE = Path(__file__).parent
 
 
-def serve(tmp: Path, model: str, *extra: str) -> tuple[Path, dict, str]:
+def serve(tmp: Path, model: str, *extra: str, env: dict | None = None) -> tuple[Path, dict, str]:
+    """Serve ``model`` in tests/variant_serve.py; ``env`` adds variables for that process alone (a test module
+    that set them in its own ``os.environ`` would change every engine test collected after it)."""
     store, out = tmp / "store", tmp / "out.json"
     # attn-otel as installed (editable in CI; a wheel on the GPU machine, where the checkout's attn_otel/ folder
     # on PYTHONPATH would hide the installed attn_otel.exporters from the writer processes)
     proc = subprocess.run([sys.executable, str(HERE / "variant_serve.py"), model, str(store), str(out), "64", *extra],
-                          cwd=str(tmp), capture_output=True, text=True, timeout=600)
+                          cwd=str(tmp), capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return store, json.loads(out.read_text()), proc.stderr
 

@@ -21,13 +21,13 @@ from variant_models import WINDOW, build_gemma2, build_gptoss
 import attn_otel
 
 pytestmark = pytest.mark.gpu
-KV_DTYPE = os.environ.setdefault("TEST_KV_DTYPE", "fp8")  # variant_serve.py reads it
+KV_DTYPE = os.environ.get("TEST_KV_DTYPE", "fp8")  # passed to variant_serve.py, never set in os.environ
 
 
 @pytest.mark.parametrize("which", ["gemma2", "gptoss"])
 def test_fp8_variant_maps_reconstruct_the_backends_output(which, tmp_path):
     model = (build_gemma2 if which == "gemma2" else build_gptoss)(tmp_path / "model")
-    store, got, _ = serve(tmp_path, model)
+    store, got, _ = serve(tmp_path, model, env={"TEST_KV_DTYPE": KV_DTYPE})
     assert got["captured"] == len(got["requests"]) and not got["dropped"]
     assert sorted(s["index"] for s in got["layers"]) == list(range(4 if which == "gemma2" else 2))
     recon, tv = [], {}
