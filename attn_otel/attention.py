@@ -11,6 +11,9 @@ Per-row metrics (row i is the query of token i; n_i = i + 1 keys are visible; N 
 - ``sink_mass_k``        sum_{j<k} A_ij, for rows i >= k (StreamingLLM, arXiv:2309.17453)
 - ``vision_share``       sum over visible image-embedding keys; NaN where none is visible
 - ``vision_share_norm``  vision_share / (|visible image keys| / n_i)
+- ``learned_sink_mass``  layers with learned attention sinks (gpt-oss) only, every row: the share of row i's
+                         softmax that the head's sink logit s_h takes, exp(s_h) / (exp(s_h) + sum_j exp(l_ij))
+                         = 1 - sum_j A_ij (the model's own "no-op" attention); NaN on every other layer
 - ``lookback_ratio``     generated rows i >= N only (Lookback Lens, arXiv:2407.07071, Chuang et al. 2024):
                          ctx / (ctx + new), ctx = sum_{j<N} A_ij / N, new = sum_{N<=j<=i} A_ij / (i - N + 1)
 
@@ -29,18 +32,24 @@ import torch
 
 ROWS = 64
 METRICS = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share",
-           "vision_share_norm", "lookback_ratio")
+           "vision_share_norm", "lookback_ratio", "learned_sink_mass")
+# The metrics of layers without learned sinks: the Triton kernels (plain layers only) and the streamed path's
+# per-slot buffer hold these first seven, the learned sink mass (NaN there) never takes room on those paths.
+KERNEL_METRICS = METRICS[:7]
+LEARNED_SINK = METRICS.index("learned_sink_mass")
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int, soft_cap: float = 0.0,
-           window: int = 0, sinks: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+           window: int = 0, sinks: torch.Tensor | None = None, chunk: int = 0,
+           sink_share: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax rows r0..r1-1 for every query head: float32 [Hq, r1-r0, T]; causal; GQA by head groups.
 
     The model's own attention terms, in the order vLLM's kernels apply them: logits = q.k * scale, then
     ``soft_cap`` c > 0: logits = c * tanh(logits / c); ``window`` W > 0: row i sees keys i-W+1 .. i only
     (vLLM's and HF's convention: i - j < W); ``chunk`` C > 0 (chunked local attention, Llama 4): row i sees
     keys C * floor(i / C) .. i only; ``sinks`` [Hq]: a learned logit s_h per query head in the
-    softmax denominator, p_ij = exp(l_ij) / (exp(s_h) + sum_j exp(l_ij)), so a row sums to 1 - its sink share.
+    softmax denominator, p_ij = exp(l_ij) / (exp(s_h) + sum_j exp(l_ij)), so a row sums to 1 - its sink share
+    (written to ``sink_share`` [Hq, r1-r0] when given).
     """
     T, hq, d = q.shape
     hkv = k.shape[1]
@@ -60,7 +69,10 @@ def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int, sof
     logits.masked_fill_(hidden, float("-inf"))
     if sinks is None:
         return torch.softmax(logits, dim=-1)
-    lse = torch.logaddexp(torch.logsumexp(logits, dim=-1), sinks.float().view(hq, 1))  # [Hq, rows]
+    s_h = sinks.float().view(hq, 1)
+    lse = torch.logaddexp(torch.logsumexp(logits, dim=-1), s_h)  # [Hq, rows]
+    if sink_share is not None:
+        sink_share.copy_(torch.exp(s_h - lse))
     return torch.exp(logits - lse.unsqueeze(-1))
 
 
@@ -96,7 +108,8 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
       divides by ln(n_i) (NaN where n_i = 1).
     - sinks: the map row is the keys' probabilities as the model computed them, summing to 1 - sink share;
       ``entropy`` is -sum_j A_ij ln A_ij over those key probabilities only (the sink's own share is not a
-      term), still normalised by ln(n_i).  The sink logit's share (1 - sum_j A_ij) is not a metric here.
+      term), still normalised by ln(n_i).  The sink logit's own share is ``learned_sink_mass``: computed from
+      the log-sum-exp as exp(s_h - lse_i), not as 1 - sum_j A_ij, so a share near 0 keeps its precision.
     - ``sink_mass_first`` / ``sink_mass_k`` (rows i >= k): the mass on keys 0 / 0..k-1 that row i can see;
       NaN where none of them is visible (a windowed row far from the start: the layer cannot attend there,
       as ``vision_share`` is NaN where no image key is visible), never a 0 that would read as "no sink".
@@ -125,7 +138,8 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
     kk = int(sink_tokens)
     for r0 in range(int(start), T, rows):
         r1 = min(T, r0 + rows)
-        p = _probs(q, k, scale, r0, r1, soft_cap, W, sinks, chunk)  # [H, r, T]
+        p = _probs(q, k, scale, r0, r1, soft_cap, W, sinks, chunk,
+                   sink_share=None if sinks is None else res[LEARNED_SINK, :, r0:r1])  # [H, r, T]
         if maps_out is not None:
             maps_out[:, r0:r1] = p
         ent = -torch.xlogy(p, p).sum(-1)

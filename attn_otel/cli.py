@@ -433,6 +433,9 @@ METRIC_COLUMNS = (
     ("generated", "ENTROPY_NORM", "entropy_norm"),
     ("generated", "LOOKBACK", "lookback_ratio"),
 )
+# the learned sink's share (gpt-oss), after each part's columns, for a capture of a model with learned sinks only
+LEARNED_SINK_COLUMNS = (("prompt", "LEARNED_SINK", "learned_sink_mass"),
+                        ("generated", "LEARNED_SINK", "learned_sink_mass"))
 
 
 def _summary(cap: Capture) -> dict:
@@ -458,13 +461,17 @@ def _cell(stats: dict | None, li: int) -> str:
 
 def _metrics_table(cap: Capture, summary: dict) -> list[str]:
     k = cap.meta.get("sink_tokens", 4)
-    headers = ["LAYER"] + [title.format(k=k) for _, title, _ in METRIC_COLUMNS]
-    rows = [[str(layer)] + [_cell(summary[part][name], li) for part, _, name in METRIC_COLUMNS]
+    columns = list(METRIC_COLUMNS)
+    for col in LEARNED_SINK_COLUMNS:
+        if summary.get(col[0], {}).get(col[2]) is not None:
+            columns.insert(max(i for i, c in enumerate(columns) if c[0] == col[0]) + 1, col)
+    headers = ["LAYER"] + [title.format(k=k) for _, title, _ in columns]
+    rows = [[str(layer)] + [_cell(summary[part][name], li) for part, _, name in columns]
             for li, layer in enumerate(cap.layers)]
     widths = [max(len(line[i]) for line in [headers, *rows]) for i in range(len(headers))]
     groups = []
     for part in ("prompt", "generated"):
-        span = [w for (p, _, _), w in zip(METRIC_COLUMNS, widths[1:]) if p == part]
+        span = [w for (p, _, _), w in zip(columns, widths[1:]) if p == part]
         groups.append(f" {part} ".center(sum(span) + 2 * (len(span) - 1), "-"))
     lines = [f"trace {cap.trace_id}  request {_printable(cap.request_id)!r}  T={cap.num_tokens}  "
              f"prompt_len={cap.prompt_len}  (means over {cap.num_heads} heads)",

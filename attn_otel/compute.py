@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import METRICS, ROWS, attention_metrics, reconstruction_error
+from .attention import KERNEL_METRICS, METRICS, ROWS, attention_metrics, reconstruction_error
 from .config import Config
 from .handoff import ByteBudget, Handoff, Job
 from .hostmem import SegmentPool, Staging
@@ -183,7 +183,9 @@ class ComputeThread:
         L, H = len(layers), max(s.num_heads for s in layers)  # this rank's heads (all, on one GPU)
         cuda = self.device.type == "cuda"
         host = dict(pin_memory=True) if cuda else {}
-        per_row_host = torch.full((len(METRICS), L, H, T), float("nan"), dtype=torch.float32, **host)
+        # the learned sink mass is a row of its own only where some layer has learned sinks (NaN elsewhere)
+        width = len(METRICS) if any(s.sinks is not None for s in layers) else len(KERNEL_METRICS)
+        per_row_host = torch.full((width, L, H, T), float("nan"), dtype=torch.float32, **host)
         # Maps land in a reused shared-memory segment through the pinned staging buffer, on this thread
         # (attn_otel.hostmem says why neither a pinned nor a pageable buffer per capture will do).
         maps_host, maps_seg = None, None
@@ -226,14 +228,15 @@ class ComputeThread:
             errors: list[torch.Tensor] = []
             for li, (spec, qk) in enumerate(zip(layers, p.qk)):
                 if qk is None:  # streamed: computed while the request ran
-                    got = p.streamed[self.stream.pos[spec.index]]  # [T, 7, H]
-                    per_row_host[:, li, : spec.num_heads].copy_(got.permute(1, 2, 0), non_blocking=cuda)
+                    got = p.streamed[self.stream.pos[spec.index]]  # [T, 7, H]: KERNEL_METRICS
+                    per_row_host[: got.shape[1], li, : spec.num_heads].copy_(got.permute(1, 2, 0),
+                                                                            non_blocking=cuda)
                     continue
                 q, k = qk
                 if fused and spec.plain:  # one launch per layer instead of a band loop (see docs/benchmarks/overhead.md)
                     res = triton_metrics.row_metrics(q[None], k[None], spec.scale, rec.prompt_len,
                                                      self.config.sink_tokens, vision)
-                    per_row_host[:, li, : spec.num_heads].copy_(res[0], non_blocking=True)
+                    per_row_host[: res.shape[1], li, : spec.num_heads].copy_(res[0], non_blocking=True)
                     continue
                 maps_dev = None
                 if p.want_maps:
@@ -242,7 +245,7 @@ class ComputeThread:
                 per_row = attention_metrics(q, k, spec.scale, rec.prompt_len, self.config.sink_tokens, vision,
                                             maps_out=maps_dev, rows=self._rows(spec.num_heads, T),
                                             **spec.terms(self.device))
-                per_row_host[:, li, : spec.num_heads].copy_(per_row, non_blocking=cuda)
+                per_row_host[:, li, : spec.num_heads].copy_(per_row[: per_row_host.shape[0]], non_blocking=cuda)
                 if p.checks is not None and p.checks[li] is not None:
                     errors.append(reconstruction_error(maps_dev, *p.checks[li]))
                 if p.want_maps and cuda:

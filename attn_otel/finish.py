@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import METRICS
+from .attention import KERNEL_METRICS
 from .config import Config
 from .handoff import ByteBudget, Handoff, Job
 from .plan import Plan, Planner
@@ -57,7 +57,7 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
                                                        tuple(QUANTILES.values()), out):
         return out  # one Triton launch per bucket of part lengths (on a GPU)
     for pi, part in enumerate(PARTS):
-        names = [n for n in SUMMARY_METRICS if (vision or n not in VISION)
+        names = [n for n in SUMMARY_METRICS[:M] if (vision or n not in VISION)
                  and (part == "generated" or n not in GENERATED_ONLY)]
         mi = up([SUMMARY_METRICS.index(n) for n in names])
         src = per_row.index_select(1, mi)  # [L, m, H, sum T]
@@ -128,7 +128,7 @@ class BatchedMetrics:
         """Reserve the device bytes of ``plan``'s rows (or summary); False: dropped and counted."""
         L = len(plan.layers)
         H = max(s.num_heads for s in plan.layers)
-        plan.device = plan.nbytes if plan.summarised else len(METRICS) * L * H * plan.T * 4
+        plan.device = plan.nbytes if plan.summarised else len(KERNEL_METRICS) * L * H * plan.T * 4
         if not self.device_budget.reserve(plan.device):
             self.handoff.release(plan.nbytes)
             self.stats.add("dropped", reason="device_queue_full")
@@ -142,7 +142,7 @@ class BatchedMetrics:
         chunks = [batch]
         if self.config.row_metrics != "all":
             # Rows summarised here: the [L, 7, H, sum T] rows are transient; bound them per launch.
-            per_token = len(self.layers) * len(METRICS) * max(s.num_heads for s in self.layers) * 4
+            per_token = len(self.layers) * len(KERNEL_METRICS) * max(s.num_heads for s in self.layers) * 4
             chunks, size = [[]], 0
             for plan in batch:
                 if chunks[-1] and size + plan.T * per_token > FINISH_CHUNK_BYTES:
@@ -204,7 +204,8 @@ class BatchedMetrics:
         # Rows of the tapped layers, computed now; with rows summarised here only those layers are in ``out``
         # (the streamed layers' float16 rows are summarised where they are, in float16).
         out_layers = tapped if summarise else list(range(len(layers)))
-        out = torch.full((len(out_layers), len(METRICS), H, total), float("nan"), dtype=torch.float32, device=dev)
+        out = torch.full((len(out_layers), len(KERNEL_METRICS), H, total), float("nan"), dtype=torch.float32,
+                         device=dev)
         for oi, li in enumerate(out_layers):
             spec = layers[li]
             if spec.index in self.streamed:

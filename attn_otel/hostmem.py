@@ -179,7 +179,8 @@ class SegmentPool:
         """Give back the free segments unused for ``idle_s``; returns how many went."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            drop = [s for s in self._free if now - s.released >= self.idle_s]
+            # released + idle_s <= now, not now - released >= idle_s: (t + 60.0) - t can round to 59.99999999
+            drop = [s for s in self._free if s.released + self.idle_s <= now]
             self._free = [s for s in self._free if s not in drop]
         for s in drop:
             s.destroy()

@@ -22,12 +22,15 @@ import numpy as np
 PARTS = ("prompt", "generated")
 COMMON = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share", "vision_share_norm")
 GENERATED_ONLY = ("lookback_ratio",)
+# Layers with learned attention sinks only (gpt-oss): the sink logit's share of each row, prompt and generated;
+# ``None`` for a model without them, as the vision metrics are for a text-only request.
+LEARNED_SINK = ("learned_sink_mass",)
 VISION = ("vision_share", "vision_share_norm")
 QUANTILES = {"p10": 0.10, "p50": 0.50, "p90": 0.90}
 
 
 def _names(part: str) -> tuple[str, ...]:
-    return COMMON + GENERATED_ONLY if part == "generated" else COMMON
+    return COMMON + GENERATED_ONLY + LEARNED_SINK if part == "generated" else COMMON + LEARNED_SINK
 
 
 def _stats(rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -85,7 +88,7 @@ def summarize(per_row: Mapping[str, np.ndarray], prompt_len: int) -> dict[str, d
     out: dict[str, dict[str, Any]] = {}
     for part in PARTS:
         start, stop = bounds[part]
-        names = list(_names(part)) + sorted(n for n in per_row if n not in COMMON + GENERATED_ONLY)
+        names = list(_names(part)) + sorted(n for n in per_row if n not in SUMMARY_METRICS)
         out[part] = {name: (_stats(np.asarray(per_row[name], dtype=np.float64)[..., start:stop])
                             if name in per_row else None) for name in names}
     return out
@@ -107,11 +110,12 @@ def to_json(capture, summary: Mapping[str, Mapping[str, Any]] | None = None) -> 
 
         {"trace_id", "request_id", "layers": [...],
          "prompt":    {"entropy", "entropy_norm", "sink_mass_first", "sink_mass_k",
-                       "vision_share", "vision_share_norm"},
+                       "vision_share", "vision_share_norm", "learned_sink_mass"},
          "generated": {the same, and "lookback_ratio"}}
 
     Each value is a ``[n_layers][n_heads]`` list: the mean over the part's rows, ``null`` where no row of the
-    part defines it.  The vision values are ``null`` as a whole for a text-only request.  ``summary``, when
+    part defines it.  The vision values are ``null`` as a whole for a text-only request, ``learned_sink_mass``
+    for a model without learned sinks.  ``summary``, when
     given, is the capture's :func:`summarize` already computed (the metrics are then not read again).
     """
     if summary is None:
@@ -125,7 +129,7 @@ def to_json(capture, summary: Mapping[str, Mapping[str, Any]] | None = None) -> 
 
 
 SUMMARY_STATS = ("mean", "p10", "p50", "p90")
-SUMMARY_METRICS = COMMON + GENERATED_ONLY
+SUMMARY_METRICS = COMMON + GENERATED_ONLY + LEARNED_SINK  # attn_otel.attention.METRICS, in its order
 
 
 def summary_to_array(summary: Mapping[str, Mapping[str, Any]], num_layers: int, num_heads: int) -> np.ndarray:
@@ -146,7 +150,8 @@ def summary_to_array(summary: Mapping[str, Mapping[str, Any]], num_layers: int, 
 
 def summary_from_array(arr: np.ndarray, present: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The inverse of :func:`summary_to_array` (``layer_mean`` recomputed from the head means, as
-    :func:`summarize` does); metrics not in ``present`` are ``None``."""
+    :func:`summarize` does); metrics not in ``present`` are ``None``, as are those past the array's metric axis
+    (a summary stored before ``learned_sink_mass`` was a metric has seven)."""
     arr = np.asarray(arr, dtype=np.float64)
     out: dict[str, dict[str, Any]] = {}
     for pi, part in enumerate(PARTS):
@@ -154,7 +159,7 @@ def summary_from_array(arr: np.ndarray, present: Sequence[str]) -> dict[str, dic
         for mi, name in enumerate(SUMMARY_METRICS):
             if name not in _names(part):
                 continue
-            if name not in present:
+            if name not in present or mi >= arr.shape[1]:
                 out[part][name] = None
                 continue
             stats = {stat: arr[pi, mi, si] for si, stat in enumerate(SUMMARY_STATS)}

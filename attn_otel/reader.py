@@ -151,15 +151,16 @@ class Capture:
         """:func:`attn_otel.metrics.summarize` of this capture's metrics: per-(layer, head) means and
         quantiles over the prompt rows and over the generated rows.  From the per-row metrics when they
         were stored (``ATTN_OTEL_ROW_METRICS``), else from the stored summary."""
-        from .metrics import summarize, summary_from_array
+        from .metrics import SUMMARY_METRICS, summarize, summary_from_array
 
         if self.has_row_metrics or self.meta.get("summary_metrics") is None:
             return summarize(self.metrics, self.prompt_len)
         try:
             arr = np.asarray(self.group["summary"][...])
-            expected = (2, 7, 4, len(self.layers), self.num_heads)
-            if arr.shape != expected:
-                raise ValueError(f"shape {list(arr.shape)}, expected {list(expected)}")
+            # seven metrics before the learned sink mass was one (store format 3 unchanged: it only adds)
+            expected = [(2, m, 4, len(self.layers), self.num_heads) for m in (len(SUMMARY_METRICS), 7)]
+            if arr.shape not in expected:
+                raise ValueError(f"shape {list(arr.shape)}, expected {list(expected[0])}")
         except (KeyError, ValueError) as e:
             raise StoreError(f"{self.prefix}/summary is not an attn-otel summary ({e})") from None
         return summary_from_array(arr, self.meta["summary_metrics"])
@@ -196,8 +197,9 @@ class Capture:
         if self.meta.get("summary_metrics") is not None:
             from .metrics import PARTS, SUMMARY_METRICS, SUMMARY_STATS
 
-            data["summary"] = (("part", "metric", "stat", "layer", "head"), np.asarray(self.group["summary"][...]))
-            coords.update(part=list(PARTS), metric=list(SUMMARY_METRICS), stat=list(SUMMARY_STATS))
+            summary = np.asarray(self.group["summary"][...])
+            data["summary"] = (("part", "metric", "stat", "layer", "head"), summary)
+            coords.update(part=list(PARTS), metric=list(SUMMARY_METRICS[: summary.shape[1]]), stat=list(SUMMARY_STATS))
         return xr.Dataset(data, coords=coords, attrs=attrs)
 
     def layer_index(self, layer: int) -> int:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import METRICS, attention_metrics
+from .attention import KERNEL_METRICS, attention_metrics
 from .slots import slots_of, upload
 
 logger = logging.getLogger("attn_otel")
@@ -203,7 +203,8 @@ class MetricsStream:
         self.device = torch.device(device)
         self.side = side if side is not None else Side(self.device)  # flushes run beside the forwards
         self.q = torch.zeros((L, R + 1, H, D), dtype=dtype, device=device)  # row R absorbs padded tokens
-        self.metrics = torch.full((L, S + 1, len(METRICS), H), float("nan"), dtype=torch.float16, device=device)
+        self.metrics = torch.full((L, S + 1, len(KERNEL_METRICS), H), float("nan"), dtype=torch.float16,
+                                  device=device)
         self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)  # slot S: padding
         key_caches = key_caches or {}
         # Keys: a [blocks, block_size, Hkv, D] view of vLLM's cache per layer, else a K-only tap.
@@ -241,7 +242,7 @@ class MetricsStream:
         """Per KV-cache token: the metrics buffer, the slot table entry, and the K tap when keys are not
         read from vLLM's cache."""
         size = torch.empty((), dtype=dtype).element_size()
-        per = sum(len(METRICS) * s.num_heads * 2 for s in layers) + 8
+        per = sum(len(KERNEL_METRICS) * s.num_heads * 2 for s in layers) + 8
         if not keys_from_cache:
             per += sum(s.num_kv_heads * s.head_dim * size for s in layers)
         return per
@@ -574,7 +575,8 @@ class FlushKernels:
                 q[a:end] = self.q[li].index_select(0, rows)  # rows before a are never read
                 res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a,
                                         **spec.terms(self.device))
-                self.metrics[li].index_copy_(0, out_slots, res[:, :, a:end].permute(2, 0, 1).to(torch.float16))
+                rows_m = res[: len(KERNEL_METRICS), :, a:end]  # streamed layers are plain: no learned sink
+                self.metrics[li].index_copy_(0, out_slots, rows_m.permute(2, 0, 1).to(torch.float16))
 
     def warm_up(self, pad_row: int) -> int:
         """Compile the flush kernel on one row (the ring's padding row ``pad_row``); see

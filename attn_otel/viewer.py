@@ -42,11 +42,14 @@ LOG_FLOOR = 1e-6
 _STEPS = 254  # codes 1..255 span LOG_FLOOR..1
 DEFAULT_MAX_MB = 64
 PAGE_VERSION = 1
-# per-row strips beside the map, in this order (each in [0, 1]; the vision share only where an image was seen)
-STRIP_METRICS = ("entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share", "lookback_ratio")
+# per-row strips beside the map, in this order (each in [0, 1]; the vision share only where an image was seen,
+# and the learned sink's share only for a model with learned sinks)
+STRIP_METRICS = ("entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share", "lookback_ratio",
+                 "learned_sink_mass")
 # per-layer strips: (part, metric), the columns of `attn-otel metrics`
 OVERVIEW = (("prompt", "entropy_norm"), ("prompt", "sink_mass_first"), ("prompt", "sink_mass_k"),
-            ("prompt", "vision_share"), ("generated", "entropy_norm"), ("generated", "lookback_ratio"))
+            ("prompt", "vision_share"), ("prompt", "learned_sink_mass"), ("generated", "entropy_norm"),
+            ("generated", "lookback_ratio"))
 MEAN = "mean"  # the head of the mean over heads, in map ids and the served route's ``head=``
 VIEW_ROUTE = "/attn-otel/view"  # on vLLM's API server; grafana/generate.py links exemplars here
 

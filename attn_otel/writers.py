@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from .attention import METRICS
+from .attention import KERNEL_METRICS, METRICS
 from .config import Config, writer_timeout_s
 from .handoff import Job
 from .metrics import summary_only
@@ -59,7 +59,10 @@ class WriterPool:
             rec = job.record
             if job.token_ids is not None:
                 rec.token_ids = job.token_ids.numpy().astype(np.int32)
-            names = [name for name in METRICS
+            # the rows a capture has: KERNEL_METRICS, and the learned sink mass where a layer has learned sinks
+            # (attn_otel.compute keeps that row only then; a summarised capture is of plain layers)
+            width = job.per_row.shape[0] if job.per_row is not None else len(KERNEL_METRICS)
+            names = [name for name in METRICS[:width]
                      if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")]
             if self.config.writer == "process":
                 reply = self._write_in_process(rec, job, names, latency)

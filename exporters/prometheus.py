@@ -19,10 +19,11 @@ bucket carrying the trace id of the latest capture that fell into it as an exemp
 Metrics (label ``model`` is the served model name, ``layer`` the model's layer number; nothing per request)
 ----------------------------------------------------------------------------------------------------------
 ``attn_otel_entropy_norm``, ``attn_otel_sink_mass_first``, ``attn_otel_sink_mass_k``,
-``attn_otel_vision_share`` (prompt rows) and ``attn_otel_lookback_ratio`` (generated rows)
+``attn_otel_vision_share``, ``attn_otel_learned_sink_mass`` (prompt rows) and ``attn_otel_lookback_ratio``
+(generated rows)
     histograms {model, layer}: one observation per captured request and layer, the layer's mean over the
     part's rows (:func:`attn_otel.metrics.summarize`, ``layer_mean``).  A request without a defined value
-    (no image; no generated row) adds no observation.  Buckets: 0.05 .. 1 in steps of 0.05.
+    (no image; no generated row; a layer without learned sinks) adds no observation.  Buckets: 0.05 .. 1 in steps of 0.05.
 ``attn_otel_capture_latency_seconds``
     histogram {model}: request finish -> metrics on the host.
 ``attn_otel_captures_total``, ``attn_otel_captures_stored_total``, ``attn_otel_maps_stored_total``,
@@ -80,6 +81,9 @@ LAYER_METRICS: dict[str, tuple[str, str]] = {
                                "over rows and heads, per layer (requests with an image only)."),
     "lookback_ratio": ("generated", "Lookback ratio (context / (context + generated) attention) of a captured "
                                     "request's generated rows, mean over rows and heads, per layer."),
+    "learned_sink_mass": ("prompt", "Share of the softmax that a layer's learned sink logits take (gpt-oss), of "
+                                    "a captured request's prompt rows, mean over rows and heads, per layer "
+                                    "(layers with learned sinks only)."),
 }
 LATENCY = "capture_latency_seconds"
 LATENCY_HELP = "Time from a request's finish to its attention metrics being on the host."

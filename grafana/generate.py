@@ -100,6 +100,7 @@ HEALTH_METRICS: tuple[tuple[str, str, str], ...] = (
     ("sink_mass_k", "Sink mass on the first k tokens (prompt rows)", "high"),
     ("vision_share", "Vision-token share (prompt rows, image requests)", "low"),
     ("lookback_ratio", "Lookback ratio (generated rows)", "low"),
+    ("learned_sink_mass", "Learned sink mass (prompt rows, models with learned sinks)", "high"),
 )
 
 RATE = "$__rate_interval"

@@ -101,7 +101,7 @@ def test_every_layer_is_captured_with_its_terms(served):
 
 def test_maps_match_hf_eager_within_bf16_drift(served):
     which, model, store, got = served
-    tv_cap, tv_drift, sum_cap, sum_drift, recon = {}, {}, [], [], []
+    tv_cap, tv_drift, sum_cap, sum_drift, sink_cap, recon = {}, {}, [], [], [], []
     for r in got["requests"]:
         (cap,) = attn_otel.open_trace(r["trace_id"], store=store)
         # maps x V (V read back from vLLM's cache where attn-otel reads it, else the forward's) give the layer's
@@ -133,13 +133,18 @@ def test_maps_match_hf_eager_within_bf16_drift(served):
                 assert ref[li].sum(-1).min() < 0.9  # the sinks do take mass
                 sum_cap.append(np.abs(sums - ref[li].sum(-1)).ravel())
                 sum_drift.append(np.abs(bf[li].sum(-1) - ref[li].sum(-1)).ravel())
+                # the learned sink mass metric, computed from the log-sum-exp: HF's sink share is 1 - its row sum
+                sink_cap.append(np.abs(cap.metrics["learned_sink_mass"][li] - (1 - ref[li].sum(-1))).ravel())
     report = {"attention_impl": got["attention_impl"],
               "reconstruction_p99_max": max(x["p99"] for x in recon), "reconstruction_max": max(x["max"] for x in recon)}
     if sum_cap:  # row sums (1 - sink share) against HF's, within the same drift bound
         c, d = stats(np.concatenate(sum_cap)), stats(np.concatenate(sum_drift))
         report["row_sum_abs_diff"] = {"capture": c, "bf16_drift": d}
+        s = stats(np.concatenate(sink_cap))
+        report["learned_sink_mass_abs_diff"] = s
         for q in ("median", "p99"):
             assert c[q] <= 3 * d[q] + 0.02, ("row sums", q, c, d)
+            assert s[q] <= 3 * d[q] + 0.02, ("learned sink mass", q, s, d)
     for li in tv_cap:
         c, d = stats(np.concatenate(tv_cap[li])), stats(np.concatenate(tv_drift[li]))
         report[li] = {"capture": c, "bf16_drift": d}
@@ -167,6 +172,13 @@ def test_metrics_mean_what_the_docs_say_under_a_window(served):
         else:
             assert np.isfinite(first[:, 4:]).all()
             np.testing.assert_allclose(first[:, 4:], maps[li][:, 4:, 0], atol=2e-3)
+    if which == "gemma2":  # no learned sinks: the metric is not stored at all
+        assert "learned_sink_mass" not in cap.metrics
+    else:  # every row of every layer: the sink logit's share, 1 - the row's sum
+        sink = cap.metrics["learned_sink_mass"]
+        assert np.isfinite(sink).all() and sink.min() >= 0 and sink.max() <= 1
+        np.testing.assert_allclose(sink, 1 - maps.sum(-1), atol=2e-3)
+        assert float(np.median(sink[:, 2])) > float(np.median(sink[:, 3]))  # head 2's sink logit 4.0, head 3's -2.0
     lb = cap.metrics["lookback_ratio"]
     assert np.isfinite(lb[1::2, :, N:]).all()  # full layers see the prompt
     if T - N >= WINDOW:

@@ -10,7 +10,8 @@ from attn_otel.metrics import summarize, to_json
 from attn_otel.reader import open_trace
 
 NAN = np.nan
-PROMPT_KEYS = {"entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share", "vision_share_norm"}
+PROMPT_KEYS = {"entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share", "vision_share_norm",
+               "learned_sink_mass"}
 # One layer, two heads, four rows; prompt_len 2: rows 0-1 are the prompt, rows 2-3 generated.
 ENTROPY = np.array([[[1.0, 2.0, 3.0, 5.0],
                      [NAN, 4.0, NAN, NAN]]])

@@ -20,6 +20,7 @@ from attn_otel import cli
 from attn_otel.exporters import ExportItem
 from attn_otel.exporters.zarr_store import ZarrExporter
 from attn_otel.ids import new_span_id, new_trace_id
+from attn_otel.metrics import SUMMARY_METRICS
 from attn_otel.store import StoreError, open_zarr_store, redact_url
 
 ENGINE_SCRIPT = """
@@ -106,7 +107,7 @@ def test_the_exporter_writes_to_s3_and_names_the_object(s3_backend):
     exporter.export(item)
     exporter.shutdown()
     assert item.uri == f"{s3_backend.url}/traces/{record.trace_id}/{record.request_id}"
-    summary_bytes = 2 * 7 * 4 * len(record.layers) * record.num_heads * 4  # [part, metric, stat, L, H] float32
+    summary_bytes = 2 * len(SUMMARY_METRICS) * 4 * len(record.layers) * record.num_heads * 4  # [part, metric, stat, L, H]
     assert item.bytes_written == record.nbytes() + summary_bytes
     assert f"traces/{record.trace_id}/{record.request_id}/COMPLETE" in s3_backend.keys()
     np.testing.assert_allclose(attn_otel.open_trace(record.trace_id, s3_backend.url)[0].maps(), expected,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attn_otel.attention import METRICS, attention_maps, attention_metrics
+from attn_otel.metrics import summarize
 from attn_otel.tap import LayerSpec
 
 HQ, HKV, D = 4, 2, 32
@@ -74,10 +75,13 @@ def test_maps_apply_the_terms_as_the_formula_says(case, T):
         np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
 
 
-def numpy_metrics(maps, N, W, k=4, C=0):
-    """The metrics by hand under a window W and chunks of C (0: none), per the docstring of attention_metrics."""
+def numpy_metrics(maps, N, W, k=4, C=0, sinks=None):
+    """The metrics by hand under a window W and chunks of C (0: none), per the docstring of attention_metrics;
+    with ``sinks``, the learned sink mass as what the sink leaves of each row (1 - its sum)."""
     H, T, _ = maps.shape
     out = {m: np.full((H, T), np.nan) for m in METRICS}
+    if sinks is not None:
+        out["learned_sink_mass"] = 1 - maps.sum(-1)
     for i in range(T):
         lo = max(0, i - W + 1) if W else 0
         lo = max(lo, i // C * C) if C else lo
@@ -104,7 +108,7 @@ def test_metrics_under_the_terms(case):
     q, k = qk(T, seed=1)
     terms = CASES[case]
     maps = numpy_maps(q, k, SCALE, **terms)
-    want = numpy_metrics(maps, N, terms.get("window", 0), C=terms.get("chunk", 0))
+    want = numpy_metrics(maps, N, terms.get("window", 0), C=terms.get("chunk", 0), sinks=terms.get("sinks"))
     got = attention_metrics(q, k, SCALE, N, rows=64, **torch_terms(terms)).numpy()
     for mi, name in enumerate(METRICS[:4] + METRICS[6:]):
         g = got[METRICS.index(name)]
@@ -290,4 +294,9 @@ def test_the_compute_thread_applies_a_variant_layers_terms(tmp_path):
         np.testing.assert_allclose(cap.metrics[name][1], want[mi], atol=1e-5, equal_nan=True, err_msg=name)
     assert np.isnan(cap.metrics["sink_mass_first"][1][:, 16:]).all()  # the window layer
     assert np.isfinite(cap.metrics["sink_mass_first"][0][:, 16:]).all()  # the plain one
+    sink = cap.metrics["learned_sink_mass"]  # stored: a layer has learned sinks; NaN on the plain layer
+    assert np.isnan(sink[0]).all() and np.isfinite(sink[1]).all()
+    np.testing.assert_allclose(sink[1], 1 - want_maps.sum(-1), atol=1e-5)
+    summary = summarize(cap.metrics, cap.prompt_len)["prompt"]["learned_sink_mass"]
+    assert np.isnan(summary["layer_mean"][0]) and 0 < summary["layer_mean"][1] < 1
     eng.close()

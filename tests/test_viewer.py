@@ -110,7 +110,8 @@ def test_page_data_describes_the_capture(captured):
 def test_page_data_carries_the_row_metrics_as_float16(captured):
     cap, record = captured
     rows = viewer.page_data(cap, None, "positions")["row_metrics"]
-    assert sorted(rows) == sorted(set(viewer.STRIP_METRICS) - {"vision_share"})  # a text-only request
+    # a text-only request of a model without learned sinks
+    assert sorted(rows) == sorted(set(viewer.STRIP_METRICS) - {"vision_share", "learned_sink_mass"})
     got = np.frombuffer(base64.b64decode(rows["sink_mass_k"]), dtype="<f2").reshape(3, 3, 12)
     np.testing.assert_allclose(got, record.metrics["sink_mass_k"], atol=1e-3, equal_nan=True)
 
@@ -121,7 +122,7 @@ def test_page_data_overview_is_the_per_layer_summary(captured):
     summary = summarize(record.metrics, 8)
     for key, stats in overview.items():
         part, name = key.split(".")
-        if name == "vision_share":
+        if name in ("vision_share", "learned_sink_mass"):  # text only, no learned sinks
             assert stats is None
             continue
         np.testing.assert_allclose(stats["layer_mean"], summary[part][name]["layer_mean"], rtol=1e-6)

@@ -76,11 +76,13 @@ def _assert_matches_the_reader(ds, cap):
             np.testing.assert_array_equal(ds[name].values, value)
     assert ds["summary"].dims == ("part", "metric", "stat", "layer", "head")
     assert [str(x) for x in ds["part"].values] == list(PARTS)
-    assert [str(x) for x in ds["metric"].values] == list(SUMMARY_METRICS)
+    # a capture stored before the learned sink mass was a metric has the first seven
+    width = len(SUMMARY_METRICS) if cap.format >= 3 else 7
+    assert [str(x) for x in ds["metric"].values] == list(SUMMARY_METRICS[:width])
     assert [str(x) for x in ds["stat"].values] == list(SUMMARY_STATS)
     summary = cap.summary()
     for part in PARTS:
-        for metric in SUMMARY_METRICS:
+        for metric in SUMMARY_METRICS[:width]:
             stats = summary[part].get(metric)
             got = ds["summary"].sel(part=part, metric=metric, stat="p50").values
             if stats is None:

@@ -12,9 +12,10 @@
   const VALUES = new Float32Array(256);  // code -> the weight it stands for
   for (let c = 1; c < 256; c++) VALUES[c] = Math.pow(10, FLOOR * (1 - (c - 1) / D.steps));
   const STRIPS = { entropy_norm: "entropy", sink_mass_first: "sink[0]", sink_mass_k: "sink[0:" + D.sink_tokens + "]",
-                   vision_share: "vision", lookback_ratio: "lookback" };
+                   vision_share: "vision", lookback_ratio: "lookback", learned_sink_mass: "learned sink" };
   const OVERVIEW = { "prompt.entropy_norm": "entropy (norm.), prompt", "prompt.sink_mass_first": "sink mass on token 0",
                      "prompt.sink_mass_k": "sink mass on tokens 0-" + (D.sink_tokens - 1), "prompt.vision_share": "vision share",
+                     "prompt.learned_sink_mass": "learned sink mass",
                      "generated.entropy_norm": "entropy (norm.), generated", "generated.lookback_ratio": "lookback ratio" };
   const BASE = location.origin + location.pathname.replace(/\/+$/, "");
   const state = { li: 0, head: "mean", log: false, q: null, entry: null, token: 0, draws: 0 };
