@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 bash setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1800 "$@"
+# --durations: every run (CI included) ends with its slowest tests, the list issue 20's 25-minute budget is kept by
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1800 --durations=25 "$@"

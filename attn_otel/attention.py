@@ -94,10 +94,12 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
                       sink_tokens: int = 4, vision_mask: torch.Tensor | None = None,
                       maps_out: torch.Tensor | None = None, rows: int = ROWS, start: int = 0,
                       soft_cap: float = 0.0, window: int = 0, sinks: torch.Tensor | None = None,
-                      chunk: int = 0) -> torch.Tensor:
+                      chunk: int = 0, on_band=None) -> torch.Tensor:
     """Per-row metrics float32 [len(METRICS), Hq, T] (NaN where undefined), never holding a full map.
 
-    With ``maps_out`` ([Hq, T, T]), the probabilities are also written there, band by band.  With ``start``,
+    With ``maps_out`` ([Hq, T, T]), the probabilities are also written there, band by band; ``on_band(r0, r1, p)``
+    is called with each band's float32 probabilities ``[Hq, r1-r0, T]`` (ATTN_OTEL_VERIFY's maps x V check, on
+    the probabilities before ``maps_out``'s float16 rounding).  With ``start``,
     only rows ``start ..`` are computed (the earlier rows of ``q`` are not read; their results stay NaN).
 
     The model's attention terms (``soft_cap``, ``window``, ``sinks``) are those of :func:`_probs`.  What the
@@ -142,6 +144,8 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
                    sink_share=None if sinks is None else res[LEARNED_SINK, :, r0:r1])  # [H, r, T]
         if maps_out is not None:
             maps_out[:, r0:r1] = p
+        if on_band is not None:
+            on_band(r0, r1, p)
         ent = -torch.xlogy(p, p).sum(-1)
         res[0, :, r0:r1] = ent
         ln = log_n[r0:r1]
@@ -194,11 +198,14 @@ def vision_mask(ranges) -> "np.ndarray":
 
 def reconstruction_error(maps: torch.Tensor, values: torch.Tensor, v_scale: float, out: torch.Tensor,
                          v_up: torch.Tensor | None = None) -> torch.Tensor:
-    """``|A V - O| / |O|`` per row and head (flat, float32): maps ``[Hq, T, T]`` times values ``[T, Hkv, Dv]``
-    (times ``v_scale``; query head h reads KV head ``h // (Hq / Hkv)``) against the attention output
-    ``[T, Hq, Dv]`` as the backend computed it.  MLA: values are the latent rows ``[T, 1, L]`` and ``v_up``
-    (``W_UV``, ``[Hq, L, Dv]``) takes head h's result to its output.  One head at a time: memory of one
-    ``[T, T]`` float32 map."""
+    """``|A V - O| / |O|`` per row and head (flat, float32): maps ``[Hq, R, T]`` (R rows, any float dtype) times
+    values ``[T, Hkv, Dv]`` (times ``v_scale``; query head h reads KV head ``h // (Hq / Hkv)``) against those rows'
+    attention output ``[R, Hq, Dv]`` as the backend computed it.  MLA: values are the latent rows ``[T, 1, L]`` and
+    ``v_up`` (``W_UV``, ``[Hq, L, Dv]``) takes head h's result to its output.  One head at a time.
+
+    The compute thread passes each band's float32 probabilities (:func:`attention_metrics`' ``on_band``), not
+    the stored float16 maps: those hold nothing under 6e-8, so a row whose learned sink takes all but 1e-9 of
+    the mass (gpt-oss's first token) would read A V = 0 against an output of that size, an error of 1.0."""
     hq, hkv = maps.shape[0], values.shape[1]
     errs = []
     for h in range(hq):

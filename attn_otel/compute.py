@@ -242,12 +242,17 @@ class ComputeThread:
                 if p.want_maps:
                     maps_dev = maps_host[li, : spec.num_heads] if not cuda else torch.empty(
                         (spec.num_heads, T, T), dtype=torch.float16, device=self.device)
+                check = p.checks[li] if p.checks is not None else None
+                on_band = None
+                if check is not None:  # ATTN_OTEL_VERIFY: maps x V of each band, in float32, against the output
+                    values, v_scale, out, *v_up = check
+
+                    def on_band(r0, r1, band, values=values, v_scale=v_scale, out=out, v_up=v_up):
+                        errors.append(reconstruction_error(band, values, v_scale, out[r0:r1], *v_up))
                 per_row = attention_metrics(q, k, spec.scale, rec.prompt_len, self.config.sink_tokens, vision,
                                             maps_out=maps_dev, rows=self._rows(spec.num_heads, T),
-                                            **spec.terms(self.device))
+                                            on_band=on_band, **spec.terms(self.device))
                 per_row_host[:, li, : spec.num_heads].copy_(per_row[: per_row_host.shape[0]], non_blocking=cuda)
-                if p.checks is not None and p.checks[li] is not None:
-                    errors.append(reconstruction_error(maps_dev, *p.checks[li]))
                 if p.want_maps and cuda:
                     self.staging.copy(maps_dev, maps_host[li, : spec.num_heads], self._stream)
             if errors:  # a sync of this thread's stream only (ATTN_OTEL_VERIFY is a check, not the hot path)

@@ -105,10 +105,9 @@ def test_maps_match_hf_eager_within_bf16_drift(served):
     for r in got["requests"]:
         (cap,) = attn_otel.open_trace(r["trace_id"], store=store)
         # maps x V (V read back from vLLM's cache where attn-otel reads it, else the forward's) give the layer's
-        # own output, window, soft-cap and sink terms included
-        # gpt-oss: one (row, head) in about 400 reconstructs at exactly 1.0 (A V = 0 against a non-zero output) on
-        # the CPU build and on the H100, bf16 and fp8 alike: an open defect (docs/known-limits.md); max reported
-        recon.append(check_reconstruction(cap, check_max=which != "gptoss"))
+        # own output, window, soft-cap and sink terms included.  gpt-oss's first rows, where the sink takes all
+        # but ~1e-9 of the mass, are why the check multiplies float32 probabilities, not the float16 maps
+        recon.append(check_reconstruction(cap))
         ids = r["prompt"] + r["output"]
         T = len(ids) - 1
         assert cap.num_tokens == T

@@ -300,3 +300,25 @@ def test_the_compute_thread_applies_a_variant_layers_terms(tmp_path):
     summary = summarize(cap.metrics, cap.prompt_len)["prompt"]["learned_sink_mass"]
     assert np.isnan(summary["layer_mean"][0]) and 0 < summary["layer_mean"][1] < 1
     eng.close()
+
+
+def test_the_verify_check_multiplies_float32_probabilities_not_the_float16_maps():
+    """A head whose learned sink takes all but ~1e-13 of each row (gpt-oss's first tokens come close): the
+    float16 maps underflow to 0, so maps x V would read 0 against an output of that tiny size (error 1.0);
+    the check on each band's float32 probabilities reproduces the output."""
+    from attn_otel.attention import reconstruction_error
+
+    T = 40
+    q, k = qk(T, seed=5)
+    v = torch.randn((T, HKV, D), generator=torch.Generator().manual_seed(6))
+    sinks = torch.tensor([30.0, 0.0, 0.0, 0.0])  # head 0: exp(30) against logits of a few units
+    maps = attention_maps(q, k, SCALE, sinks=sinks)  # float32, the reference
+    out = torch.einsum("htj,jhd->thd", maps, v[:, torch.arange(HQ) // (HQ // HKV)])  # [T, Hq, D]
+    stored = attention_maps(q, k, SCALE, sinks=sinks).to(torch.float16)
+    assert stored[0].abs().max() == 0 and out[:, 0].norm(dim=-1).max() > 0  # underflowed, yet not zero
+    assert reconstruction_error(stored, v, 1.0, out).view(HQ, T)[0].median() == 1.0
+    errors = []
+    attention_metrics(q, k, SCALE, T, rows=16, sinks=sinks,
+                      on_band=lambda r0, r1, p: errors.append(reconstruction_error(p, v, 1.0, out[r0:r1])))
+    err = torch.cat(errors)
+    assert err.numel() == HQ * T and err.max() < 1e-4
