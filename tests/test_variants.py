@@ -274,6 +274,8 @@ def test_captures_with_a_variant_layer_skip_the_gpu_batched_path(tmp_path):
     assert [p.T for p in batched] == [50] and batched[0].plain and batched[0].summarised
     assert [p.T for p in computed] == [60, 70]
     assert not any(p.plain or p.summarised for p in computed)  # per-row metrics through the torch path
+    for plan in batched + computed:  # what the intercepted paths would have given back (else close waits 30 s)
+        eng.handoff.release(plan.nbytes)
     eng.close()
 
 
