@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import torch
 
+from .metrics import SUMMARY_METRICS
+
 ROWS = 64
-METRICS = ("entropy", "entropy_norm", "sink_mass_first", "sink_mass_k", "vision_share",
-           "vision_share_norm", "lookback_ratio", "learned_sink_mass")
+# The per-row metrics' order along the metric axis: the summaries' own (attn_otel.metrics), so that a row index
+# here is the summary's metric index (device_summaries relies on it).
+METRICS = SUMMARY_METRICS
 # The metrics of layers without learned sinks: the Triton kernels (plain layers only) and the streamed path's
 # per-slot buffer hold these first seven, the learned sink mass (NaN there) never takes room on those paths.
 KERNEL_METRICS = METRICS[:7]
-LEARNED_SINK = METRICS.index("learned_sink_mass")
+LEARNED_SINK_ROW = METRICS.index("learned_sink_mass")
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int, soft_cap: float = 0.0,
@@ -141,7 +144,7 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len
     for r0 in range(int(start), T, rows):
         r1 = min(T, r0 + rows)
         p = _probs(q, k, scale, r0, r1, soft_cap, W, sinks, chunk,
-                   sink_share=None if sinks is None else res[LEARNED_SINK, :, r0:r1])  # [H, r, T]
+                   sink_share=None if sinks is None else res[LEARNED_SINK_ROW, :, r0:r1])  # [H, r, T]
         if maps_out is not None:
             maps_out[:, r0:r1] = p
         if on_band is not None:

@@ -129,7 +129,7 @@ def to_json(capture, summary: Mapping[str, Mapping[str, Any]] | None = None) -> 
 
 
 SUMMARY_STATS = ("mean", "p10", "p50", "p90")
-SUMMARY_METRICS = COMMON + GENERATED_ONLY + LEARNED_SINK  # attn_otel.attention.METRICS, in its order
+SUMMARY_METRICS = COMMON + GENERATED_ONLY + LEARNED_SINK  # also attn_otel.attention.METRICS, the rows' order
 
 
 def summary_to_array(summary: Mapping[str, Mapping[str, Any]], num_layers: int, num_heads: int) -> np.ndarray:
