@@ -96,9 +96,10 @@ async def _run(prompts: list[list[int]], gaps: list[float] | None) -> tuple[list
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=1800)) as s:
         tasks = []
         t0 = time.perf_counter()
+        due = np.concatenate([[0.0], np.cumsum(gaps)]) if gaps is not None else None  # request i at sum(gaps[:i])
         for i, p in enumerate(prompts):
-            if gaps is not None and i:
-                await asyncio.sleep(max(0.0, t0 + sum(gaps[:i]) - time.perf_counter()))
+            if due is not None and i:
+                await asyncio.sleep(max(0.0, t0 + due[i] - time.perf_counter()))
             tasks.append(asyncio.create_task(_one(s, p, time.perf_counter())))
         res = await asyncio.gather(*tasks)
     return res, time.perf_counter() - t0
@@ -115,10 +116,10 @@ def capacity() -> float:
     return len(res) / wall
 
 
-def run_load(rate: float, seed: int) -> dict:
-    """Poisson arrivals at ``rate`` requests/s: TTFT and ITL p50/p99 (seconds), goodput, throughput."""
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, REQUESTS).tolist()
-    res, wall = asyncio.run(_run(_prompts(seed), gaps))
+def run_load(rate: float, seed: int, n: int = REQUESTS) -> dict:
+    """``n`` Poisson arrivals at ``rate`` requests/s: TTFT and ITL p50/p99 (seconds), goodput, throughput."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n).tolist()
+    res, wall = asyncio.run(_run(_prompts(seed, n), gaps))
     ttft = np.array([r["ttft"] for r in res])
     itl = np.array([r["itl"] for r in res])
     good = sum(1 for r in res if r["ttft"] <= SLO_TTFT_S and r["itl"] <= SLO_ITL_S and r["tokens"] == OUTPUT)

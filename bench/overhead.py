@@ -185,6 +185,7 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
         result["runs"][wl] = best | {"all_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
         print(f"[{phase}] {wl}: {best['output_tokens_per_s']:.0f} tok/s "
               f"(runs {[round(r['output_tokens_per_s']) for r in runs]})", flush=True)
+        (out / f"phase-{phase}.json").write_text(json.dumps(result, indent=1))  # kept if a later workload dies
     del llm
     gc.collect()
     time.sleep(5)  # the engine core process writes its last stats at exit
@@ -281,13 +282,13 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
     proc = online.start_server(model, {}, out / f"online-{phase}.log")
     result = {"phase": phase, "engine_start_s": time.perf_counter() - t0, "runs": []}
     try:
-        online.run_load(2.0, seed=98)  # warm-up: compile and capture what a light load needs
+        online.run_load(4.0, seed=98, n=16)  # warm-up: a light load (small batches)
         if phase == "off":
             result["capacity_req_s"] = online.capacity()
         else:
             result["capacity_req_s"] = json.loads((out / "online-off.json").read_text())["capacity_req_s"]
         rate = online.LOAD * result["capacity_req_s"]
-        online.run_load(rate, seed=97)  # warm-up at the measured rate
+        online.run_load(rate, seed=97, n=online.REQUESTS // 4)  # warm-up at the measured rate
         result["runs"] = [online.run_load(rate, seed=s) for s in range(repeats)]
         for r in result["runs"]:
             print(f"[online {phase}] {r['output_tokens_per_s']:.0f} tok/s, TTFT p99 {r['ttft_p99_s']:.3f} s, "
