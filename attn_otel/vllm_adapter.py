@@ -490,6 +490,7 @@ def _layer_kinds(runner, specs) -> dict[str, str]:
 
     ctx = runner.vllm_config.compilation_config.static_forward_context
     attn = _attention_layers(ctx)
+    total = _total_layers(runner, 1 << 30)
     kinds: dict[str, str] = {}
     for name, m in ctx.items():
         if not (hasattr(m, "impl") or "attn" in name):
@@ -497,6 +498,9 @@ def _layer_kinds(runner, specs) -> dict[str, str]:
         try:
             i = int(extract_layer_index(name))
         except Exception:  # noqa: BLE001 - not a numbered decoder layer
+            continue
+        if i >= total:  # EAGLE's and MTP's layers are numbered after the target model's own
+            kinds[str(i)] = "not captured: the speculative decoding draft model's layer"
             continue
         if name not in attn:
             kinds[str(i)] = f"refused: not softmax attention ({type(m).__name__})"

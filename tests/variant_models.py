@@ -35,6 +35,23 @@ def build_gemma2(path: Path, all_window: bool = False) -> str:
     return _save(model, path)
 
 
+def build_gemma3(path: Path) -> str:
+    """A Gemma-3-shaped text model: QK-norm, query_pre_attn_scalar != head_dim, local layers (window 16, RoPE
+    base 10k) alternating with global ones (RoPE base 1M), no soft-cap.  Alternating rather than Gemma 3's 5:1
+    so that the variant tests' per-layer expectations (window on the even layers) hold for it too."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=48,
+                           sliding_window=WINDOW, max_position_embeddings=1024, initializer_range=0.2,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(4)]
+    model = Gemma3ForCausalLM(cfg)
+    return _save(model, path)
+
+
 def build_gptoss(path: Path) -> str:
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
