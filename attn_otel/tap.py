@@ -38,6 +38,10 @@ class LayerSpec:
     sinks: tuple[float, ...] | None = None  # learned sink logit per query head (this rank's heads); None: none
     slots_from: str = ""  # a full-attention layer whose slot mapping indexes this (windowed) layer's tap
     chunk: int = 0  # chunked local attention C (Llama 4): row i sees keys C * floor(i / C) .. i; 0: none
+    # A windowed (or chunked) layer of a model with no full-attention KV-cache group: its own group, whose freed
+    # blocks vLLM reuses while the request runs; ``group`` is then attn-otel's own block table
+    # (:class:`attn_otel.shadow.ShadowBlocks`), which the forward's slots are mapped to.  -1: not so.
+    own_group: int = -1
     # MLA: the latent rank L (kv_lora_rank).  Such a layer is captured as the multi-query attention vLLM's
     # decode path runs: one KV head of ``head_dim = L + rope`` (the latent cache row ``[c_kv | k_pe]``), queries
     # absorbed (``[q_nope W_UK^T | q_pe]``), values ``c_kv`` up-projected per head by ``W_UV``.  0: not MLA.

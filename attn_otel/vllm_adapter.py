@@ -405,7 +405,10 @@ def _window_groups(specs, kv_cache_config):
     """Point windowed layers whose KV-cache group frees blocks out of the window (vLLM's SlidingWindowManager,
     the hybrid KV-cache manager) at a full-attention group's slots: a freed block is reused by other requests
     while this one runs, which would overwrite the tap rows its finish still reads; a full-attention group
-    keeps every position of the request until it finishes.  Returns (specs kept, refusals)."""
+    keeps every position of the request until it finishes.  Where the model has no full-attention group of
+    their block size (every layer windowed, as Mistral 7B v0.1), they tap by attn-otel's own block table
+    instead (:mod:`attn_otel.shadow`; ``group`` = ``len(kv_cache_groups)``, ``own_group`` their own).  Returns
+    (specs kept, refusals)."""
     import dataclasses
 
     groups = kv_cache_config.kv_cache_groups
@@ -419,15 +422,24 @@ def _window_groups(specs, kv_cache_config):
         if s.group not in freeing:
             kept.append(s)
             continue
-        same = [g for g in full if int(groups[g].kv_cache_spec.block_size) == int(groups[s.group].kv_cache_spec.block_size)]
-        if not (s.window or s.chunk) or not same:
-            why = ("sliding window without a full-attention KV-cache group (blocks freed out of the window)"
-                   if s.window else "chunked local attention without a full-attention KV-cache group (blocks "
-                   "freed out of the chunk)" if s.chunk else f"KV-cache group of type {type(groups[s.group].kv_cache_spec).__name__}")
-            refused.append(f"{s.name} ({why})")
+        bs = int(groups[s.group].kv_cache_spec.block_size)
+        same = [g for g in full if int(groups[g].kv_cache_spec.block_size) == bs]
+        if not (s.window or s.chunk):
+            refused.append(f"{s.name} (KV-cache group of type {type(groups[s.group].kv_cache_spec).__name__})")
             continue
-        kept.append(dataclasses.replace(s, group=same[0], slots_from=groups[same[0]].layer_names[0]))
+        if same:
+            kept.append(dataclasses.replace(s, group=same[0], slots_from=groups[same[0]].layer_names[0]))
+            continue
+        own = [k.own_group for k in kept if k.own_group >= 0]
+        if own and int(groups[own[0]].kv_cache_spec.block_size) != bs:  # one block size for the table
+            refused.append(f"{s.name} (a windowed KV-cache group of block size {bs} beside another of "
+                           f"{int(groups[own[0]].kv_cache_spec.block_size)}, with no full-attention group)")
+            continue
+        kept.append(dataclasses.replace(s, group=len(groups), own_group=s.group, slots_from=SHADOW))
     return kept, refused
+
+
+SHADOW = "(attn-otel's own block table)"  # LayerSpec.slots_from of a layer tapped by attn_otel.shadow
 
 
 def _layer_specs(runner, config, groups_by_layer=None, log=False):
@@ -510,7 +522,9 @@ def _layer_kinds(runner, specs) -> dict[str, str]:
     for s in specs:
         terms = [f"window {s.window}"] * bool(s.window) + [f"soft-cap {s.soft_cap:g}"] * bool(s.soft_cap)
         terms += [f"chunk {s.chunk}"] * bool(s.chunk)
-        terms += ["sinks"] * (s.sinks is not None) + [f"KV-cache group {s.group}"]
+        terms += ["sinks"] * (s.sinks is not None)
+        terms += [f"KV-cache group {s.own_group}, tapped by attn-otel's own block table" if s.own_group >= 0
+                  else f"KV-cache group {s.group}"]
         kinds[str(s.index)] = ("mla" if s.latent else "attention") + " (" + ", ".join(terms) + ")"
     return dict(sorted(kinds.items(), key=lambda kv: int(kv[0])))
 
@@ -761,7 +775,13 @@ def _install(runner, kv_cache_config) -> None:
                        ", ".join(refused[:8]) + (" ..." if len(refused) > 8 else ""))
         layers = {s.name: layers[s.name] for s in specs}
         logger.info("attn-otel: capturing layers %s after those", [s.index for s in specs])
-    windowed = [s.index for s in specs if s.slots_from]
+    shadowed = [s for s in specs if s.own_group >= 0]
+    if shadowed:
+        block_sizes.append(block_sizes[shadowed[0].own_group])  # attn-otel's own block table, one group more
+        logger.info("attn-otel: windowed layers %s tap by attn-otel's own block table: no full-attention group "
+                    "keeps their positions (vLLM frees blocks out of the window while a request runs)",
+                    [s.index for s in shadowed])
+    windowed = [s.index for s in specs if s.slots_from and s.own_group < 0]
     if windowed:
         logger.info("attn-otel: windowed layers %s tap by the slots of full-attention layer %s (their own KV "
                     "blocks are freed out of the window)", windowed, specs[[s.index for s in specs].index(
@@ -799,6 +819,13 @@ def _install(runner, kv_cache_config) -> None:
                            attrs={"attention_impl": backend, "layer_kinds": _layer_kinds(runner, specs)}, parallel=par, stream=stream, map_layers=maps,
                            map_tap_rows=_map_tap_rows(config), block_sizes=block_sizes)
     engine.tracker = RequestTracker()
+    engine.shadow = None
+    if shadowed:
+        from .shadow import ShadowBlocks
+
+        own = sorted({s.own_group for s in shadowed})
+        engine.shadow = ShadowBlocks(shadowed[0].group, num_slots, block_sizes[-1],
+                                     {g: kv_cache_config.num_blocks * block_sizes[g] for g in own}, runner.device)
     if config.verify and engine.maptap is not None:
         for s in (*engine.maptap.layers.values(), *engine.maptap.checked.values()):
             layer = layers[s.name]
@@ -861,7 +888,9 @@ def _tap_layer(engine, spec, layer) -> bool:
     if getattr(orig, "_attn_otel", False):
         return False
     tap, index, name = engine.tap, spec.index, spec.name
-    slots_name = spec.slots_from or name  # a windowed layer may tap by a full-attention layer's slots
+    # a windowed layer may tap by a full-attention layer's slots, or by attn-otel's own block table
+    shadow = engine.shadow if spec.own_group >= 0 else None
+    slots_name = name if shadow is not None else spec.slots_from or name
     if spec.index in engine.streamed:
         tap = engine.stream
     maptap = engine.maptap if engine.maptap is not None and (
@@ -896,11 +925,13 @@ def _tap_layer(engine, spec, layer) -> bool:
                     if isinstance(slots, list):
                         slots = slots[0]
                     slot_mapping = slots.get(slots_name) if isinstance(slots, dict) else None
-                    if slot_mapping is None and not spec.slots_from:
+                    if slot_mapping is None and (not spec.slots_from or shadow is not None):
                         slot_mapping = getattr(attn_metadata, "slot_mapping", None)
                     elif slot_mapping is None:  # never the window group's own slots (freed blocks)
                         engine.warn_once("tap-slots", "no slot mapping of %s for windowed layer %s: its "
                                          "captures will be wrong", slots_name, name)
+                    if slot_mapping is not None and shadow is not None:
+                        slot_mapping = shadow.map(slot_mapping, spec.own_group)
                 if slot_mapping is not None:
                     q = query
                     if q.element_size() == 1:  # fp8-quantised query: its values, exactly (q_scale is in
@@ -1111,12 +1142,22 @@ def _track(runner, engine, so) -> None:
             t = tracker.get(req_id)
             if t is not None:
                 side.taken_back(t.block_ids, seq)
+    shadow = getattr(engine, "shadow", None)
+    if shadow is not None and finished:  # a request that found no slot in attn-otel's own table is not captured
+        lost = [f for f in finished if f.request_id in shadow.lost]
+        if lost:
+            engine.stats.add("dropped", len(lost), reason="window_tap_full")
+            engine.warn_once("window-tap-full", "attn-otel's own block table for windowed layers was full: %d "
+                             "request(s) not captured (counted as dropped, window_tap_full; logged once)", len(lost))
+            finished = [f for f in finished if f.request_id not in shadow.lost]
     if finished:
         engine.on_finished_many(finished)
     if maptap is not None and so.finished_req_ids:  # their rows, once the gathers just enqueued have read them
         maptap.release(so.finished_req_ids, side.mark())
     if stream is not None:
         stream.forget(so.finished_req_ids)
+    if shadow is not None:  # their blocks there: after the capture work above was recorded as reading them
+        shadow.release(list(so.finished_req_ids))
     scheduled = so.num_scheduled_tokens
     items = []
     for new in so.scheduled_new_reqs:
@@ -1132,6 +1173,8 @@ def _track(runner, engine, so) -> None:
         t = tracker.update(req_id, cached.new_block_ids[i], cached.num_computed_tokens[i], n, req_id in resumed)
         if t is not None:
             items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
+    if shadow is not None:  # first: the others read the requests' blocks there
+        shadow.schedule(items)
     if stream is not None:
         stream.schedule(items)
     if maptap is not None:

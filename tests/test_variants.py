@@ -207,14 +207,53 @@ def test_windowed_layers_in_a_full_attention_group_keep_their_own_slots():
     assert not refused and [s.slots_from for s in kept] == ["", ""]
 
 
-def test_a_window_without_a_full_attention_group_is_refused_by_name():
-    from attn_otel.vllm_adapter import _window_groups
+def test_a_window_without_a_full_attention_group_taps_by_attn_otels_own_block_table():
+    from attn_otel.vllm_adapter import SHADOW, _window_groups
 
     cfg = _Config(_Group(SlidingWindowSpec(16), [f"model.layers.{i}.attn" for i in range(2)]))
     kept, refused = _window_groups([_spec(0, 0, 16), _spec(1, 0, 16)], cfg)
-    assert kept == []
-    assert refused == [f"model.layers.{i}.attn (sliding window without a full-attention KV-cache group "
-                       "(blocks freed out of the window))" for i in range(2)]
+    assert not refused
+    # one group past vLLM's (attn_otel.shadow's), the layers' own group kept to map the forward's slots
+    assert [(s.group, s.own_group, s.slots_from) for s in kept] == [(1, 0, SHADOW), (1, 0, SHADOW)]
+
+
+def test_windowed_groups_of_two_block_sizes_without_a_full_group_keep_the_first():
+    from attn_otel.vllm_adapter import _window_groups
+
+    cfg = _Config(_Group(SlidingWindowSpec(16), ["model.layers.0.attn"]), _Group(SlidingWindowSpec(32), ["model.layers.1.attn"]))
+    kept, refused = _window_groups([_spec(0, 0, 16), _spec(1, 1, 8)], cfg)
+    assert [s.index for s in kept] == [0]
+    assert refused == ["model.layers.1.attn (a windowed KV-cache group of block size 32 beside another of 16, "
+                       "with no full-attention group)"]
+
+
+def test_attn_otels_own_block_table_gives_every_position_a_slot_and_maps_vllms_slots_to_them():
+    """attn_otel.shadow without an engine: a request's positions get slots of their own in blocks of the window
+    group's size, vLLM's slots of this step map to them (padding -1 stays -1), a request that does not fit is
+    lost rather than given another's slots, and released blocks are reused."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from attn_otel.shadow import ShadowBlocks
+
+    sh = ShadowBlocks(group=1, num_slots=64, block_size=16, vllm_slots={0: 64}, device="cpu")
+    a = NS(block_ids=[[3, 0]])  # vLLM's window group: block 3, then the null block once freed
+    b = NS(block_ids=[[1]])
+    sh.schedule([("a", a, 0, 20), ("b", b, 0, 10)])
+    assert a.block_ids[1] == [0, 1] and b.block_ids[1] == [2]  # appended as group 1
+    got = sh.map(torch.tensor([48, 49, 16, -1]), 0)  # a's positions 0, 1; b's position 0; padding
+    assert got.tolist() == [0, 1, 32, -1]
+    sh.schedule([("a", a, 20, 1)])  # decode: a's position 20 was written to vLLM slot 0*16 + 4 (block 0)
+    assert sh.map(torch.tensor([4]), 0).tolist() == [20]
+    c = NS(block_ids=[[2, 2, 2]])
+    sh.schedule([("c", c, 0, 40)])  # needs 3 blocks, 1 is free: lost, its slots write nothing
+    assert "c" in sh.lost and sh.map(torch.tensor([32]), 0).tolist() == [-1]
+    sh.release(["a", "c"])
+    assert "c" not in sh.lost and sh.free_blocks() == 3
+    d = NS(block_ids=[[1, 2, 3]])
+    sh.schedule([("d", d, 0, 40)])
+    assert d.block_ids[1] == [0, 1, 3] and sh.map(torch.tensor([16, 47, 48]), 0).tolist() == [0, 31, 48]
 
 
 def test_the_window_is_read_in_each_backends_convention():

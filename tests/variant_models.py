@@ -52,6 +52,21 @@ def build_gemma3(path: Path) -> str:
     return _save(model, path)
 
 
+def build_mistral(path: Path) -> str:
+    """A Mistral-7B-v0.1-shaped model: sliding window 16 on every layer (so vLLM keeps one SlidingWindowSpec
+    KV-cache group and no full-attention one), GQA."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW,
+                        max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                        pad_token_id=0)
+    model = MistralForCausalLM(cfg)
+    return _save(model, path)
+
+
 def build_gptoss(path: Path) -> str:
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM

@@ -67,7 +67,7 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     (engine,) = vllm_adapter.engines()
     assert engine.flush(120), "captures not written within 120 s"
     specs = [{"index": s.index, "window": s.window, "soft_cap": s.soft_cap, "sinks": s.sinks,
-              "scale": s.scale, "group": s.group, "slots_from": s.slots_from, "latent": s.latent, "chunk": s.chunk,
+              "scale": s.scale, "group": s.group, "slots_from": s.slots_from, "own_group": s.own_group, "latent": s.latent, "chunk": s.chunk,
               "head_dim": s.head_dim, "num_kv_heads": s.num_kv_heads} for s in engine.layers]
     kv = llm.llm_engine.vllm_config.cache_config
     stats = engine.stats_snapshot()
