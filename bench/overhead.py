@@ -66,7 +66,10 @@ import workloads  # noqa: E402
 
 WORKLOADS = workloads.NAMES
 PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all"},
-             "eager": {}}
+             "eager": {},
+             # diagnostics of the default's online latency: Python's own GIL switch interval (5 ms), no maps
+             "default-gil5": {"ATTN_OTEL": "1", "ATTN_OTEL_GIL_SWITCH_MS": "0"},
+             "default-nomaps": {"ATTN_OTEL": "1", "ATTN_OTEL_MAPS_SAMPLE": "0"}}
 
 
 def _model_dir() -> str:
@@ -399,7 +402,7 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phase", action="append", choices=list(PHASE_ENV), default=[])
-    ap.add_argument("--online", action="append", choices=["off", "default", "all"], default=[],
+    ap.add_argument("--online", action="append", choices=[p for p in PHASE_ENV if p != "eager"], default=[],
                     help="the online workload for this configuration (run off first)")
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), default=[])
     ap.add_argument("--repeats", type=int, default=3)
