@@ -30,17 +30,25 @@ def gpu_model(tmp_path_factory):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.fail("the gpu marker needs a CUDA device")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=64, vocab_size=4096,
-                      max_position_embeddings=4096, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    # TEST_GPU_ARCH=qwen3: the same shape as a Qwen3 (QK-norm: its norms' weights sharpen the attention instead)
+    arch = {"llama": "Llama", "qwen3": "Qwen3"}[os.environ.get("TEST_GPU_ARCH", "llama")]
+    cfg = getattr(transformers, f"{arch}Config")(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=64, vocab_size=4096, max_position_embeddings=4096,
+        tie_word_embeddings=False)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(3.0)
-            layer.self_attn.k_proj.weight.mul_(3.0)
+            attn = layer.self_attn
+            if arch == "Qwen3":
+                attn.q_norm.weight.mul_(3.0)
+                attn.k_norm.weight.mul_(3.0)
+            else:
+                attn.q_proj.weight.mul_(3.0)
+                attn.k_proj.weight.mul_(3.0)
     path = tmp_path_factory.mktemp("model")
     model.to(torch.bfloat16).save_pretrained(path)
     return str(path)
@@ -124,7 +132,8 @@ def test_gpu_default_config_maps_match_hf_eager(gpu_engine, gpu_model):
     results["stats"] = engine.stats.snapshot()
     print("GPU exactness:", json.dumps(results))
     if os.environ.get("OUT"):
-        name = "gpu_exactness.json" if not BACKEND else f"gpu_exactness-{BACKEND}.json"
+        arch = os.environ.get("TEST_GPU_ARCH", "llama")
+        name = "gpu_exactness" + (f"-{BACKEND}" if BACKEND else "") + (f"-{arch}" if arch != "llama" else "") + ".json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(results, f, indent=1)
     assert "FULL_AND_PIECEWISE" in results["cudagraph_mode"]
