@@ -30,9 +30,8 @@ class ShadowBlocks:
     def __init__(self, group: int, num_slots: int, block_size: int, vllm_slots: dict[int, int], device) -> None:
         self.group = int(group)
         self.block_size = int(block_size)
-        self.num_blocks = int(num_slots) // self.block_size
         self.device = torch.device(device)
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: the lowest block first
+        self._free = list(range(int(num_slots) // self.block_size - 1, -1, -1))  # a stack: the lowest block first
         self._blocks: dict[str, list[int]] = {}
         self.lost: set[str] = set()  # requests some position of which found no slot: not captured
         # per windowed KV-cache group (of this block size): its vLLM slot -> this table's slot; -1: write nothing
@@ -42,9 +41,6 @@ class ShadowBlocks:
 
     def free_blocks(self) -> int:
         return len(self._free)
-
-    def blocks(self, req_id: str) -> list[int]:
-        return self._blocks.get(req_id, [])
 
     def schedule(self, items: Iterable[tuple[str, object, int, int]]) -> None:
         """This step's tokens ``(request id, tracked, first position, count)``: give their positions slots here

@@ -1144,12 +1144,13 @@ def _track(runner, engine, so) -> None:
                 side.taken_back(t.block_ids, seq)
     shadow = getattr(engine, "shadow", None)
     if shadow is not None and finished:  # a request that found no slot in attn-otel's own table is not captured
-        lost = [f for f in finished if f.request_id in shadow.lost]
-        if lost:
-            engine.stats.add("dropped", len(lost), reason="window_tap_full")
+        kept = [f for f in finished if f.request_id not in shadow.lost]
+        if len(kept) < len(finished):
+            lost = len(finished) - len(kept)
+            engine.stats.add("dropped", lost, reason="window_tap_full")
             engine.warn_once("window-tap-full", "attn-otel's own block table for windowed layers was full: %d "
-                             "request(s) not captured (counted as dropped, window_tap_full; logged once)", len(lost))
-            finished = [f for f in finished if f.request_id not in shadow.lost]
+                             "request(s) not captured (counted as dropped, window_tap_full; logged once)", lost)
+            finished = kept
     if finished:
         engine.on_finished_many(finished)
     if maptap is not None and so.finished_req_ids:  # their rows, once the gathers just enqueued have read them
