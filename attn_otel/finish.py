@@ -20,7 +20,7 @@ from .attention import KERNEL_METRICS
 from .config import Config
 from .handoff import ByteBudget, Handoff, Job
 from .plan import Plan, Planner
-from .slots import slots_of, upload
+from .slots import slots_of, upload, upload_many
 from .stats import Stats, WarnOnce
 from .stream import MetricsStream
 from .tap import LayerSpec, QKTap
@@ -195,9 +195,11 @@ class BatchedMetrics:
         def up(a: np.ndarray) -> torch.Tensor:
             return upload(a, dev)
 
-        cu_dev, prompt_dev = up(cu), up(prompt)
-        slots_dev = {g: up(np.concatenate(parts)) for g, parts in slots_host.items()}
-        vision_dev = up(vision_host) if vision_any else None
+        groups = list(slots_host)
+        host = [cu, prompt, *(np.concatenate(slots_host[g]) for g in groups)] + ([vision_host] if vision_any else [])
+        cu_dev, prompt_dev, *rest = upload_many(host, dev)  # one copy
+        slots_dev = dict(zip(groups, rest[:len(groups)]))
+        vision_dev = rest[len(groups)] if vision_any else None
         summarise = self.config.row_metrics != "all"
         tapped = [li for li, spec in enumerate(layers) if spec.index not in self.streamed]
         streamed = [li for li, spec in enumerate(layers) if spec.index in self.streamed]

@@ -15,6 +15,10 @@ import numpy as np
 logger = logging.getLogger("attn_otel")
 
 
+# the parts of the engine loop's time in attn-otel before a forward (Stats.step_parts)
+STEP_PARTS = ("finished_rows", "captures", "schedule")
+
+
 class Stats:
     """Capture counters, read by the exporters (thread-safe)."""
 
@@ -33,6 +37,10 @@ class Stats:
         self.write_latencies: collections.deque[float] = collections.deque(maxlen=10_000)
         # seconds the engine loop spent in a capture (enqueueing device work; no I/O, no sync)
         self.loop_times: collections.deque[float] = collections.deque(maxlen=10_000)
+        # seconds the engine loop spent in attn-otel before each forward (following the step's requests,
+        # flushes, finished requests' captures), and its total split by part
+        self.step_times: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.step_parts: collections.Counter[str] = collections.Counter(dict.fromkeys(STEP_PARTS, 0.0))
 
     def add(self, field: str, n: int = 1, reason: str | None = None) -> None:
         with self._lock:
@@ -46,9 +54,10 @@ class Stats:
             snap: dict[str, Any] = {"captured": self.captured, "stored": self.stored,
                                     "maps_stored": self.maps_stored, "dropped": dict(self.dropped),
                                     "skipped": dict(self.skipped), "export_errors": dict(self.export_errors),
-                                    "bytes_written": self.bytes_written}
+                                    "bytes_written": self.bytes_written,
+                                    "step_host_s": {k: round(v, 4) for k, v in self.step_parts.items()}}
             if percentiles:
-                for name in ("latencies", "write_latencies", "loop_times"):
+                for name in ("latencies", "write_latencies", "loop_times", "step_times"):
                     vals = np.asarray(getattr(self, name), dtype=np.float64)
                     snap[name] = ({q: float(np.quantile(vals, float(q[1:]) / 100)) for q in ("p50", "p90", "p99")}
                                   | {"n": int(vals.size), "max": float(vals.max())}) if vals.size else {"n": 0}

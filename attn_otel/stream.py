@@ -38,7 +38,7 @@ import torch
 
 from . import triton_metrics
 from .attention import KERNEL_METRICS, attention_metrics
-from .slots import slots_of, upload
+from .slots import slots_many, slots_of, upload, upload_many
 
 logger = logging.getLogger("attn_otel")
 
@@ -55,6 +55,12 @@ class _Live:
     next: int = 0  # the position its next row should have
     shared: bool = False  # some of its positions were computed by another request (a prefix-cache hit)
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
+
+
+def _cat(ints: list[int], arrays: list[np.ndarray]) -> np.ndarray:
+    """Python ints, then arrays, as one int64 array."""
+    head = np.asarray(ints, dtype=np.int64)
+    return np.concatenate([head, *arrays]) if arrays else head
 
 
 class Side:
@@ -346,9 +352,10 @@ class MetricsStream:
                 live.lost = True
             return
         g, bs = self.group, self.block_size
-        slot_l: list[int] = []
+        slot_l: list[int] = []  # decode tokens (one per request) as Python ints; longer runs as arrays
         pos_l: list[int] = []
         own_l: list[int] = []
+        slot_a, pos_a, own_a = [], [], []
         for live, (_, tracked, start, n) in zip(lives, items):
             blocks = tracked.block_ids[g]
             if n == 1:
@@ -356,17 +363,16 @@ class MetricsStream:
                 pos_l.append(start)
                 own_l.append(live.idx)
             else:
-                slot_l.extend(slots_of(blocks, bs, start, n).tolist())
-                pos_l.extend(range(start, start + n))
-                own_l.extend([live.idx] * n)
+                slot_a.append(slots_of(blocks, bs, start, n))
+                pos_a.append(np.arange(start, start + n, dtype=np.int64))
+                own_a.append(np.full(n, live.idx, dtype=np.int64))
             live.count += n
             live.next = start + n
         rows = self._free[self._nfree - total:self._nfree].copy()
         self._nfree -= total
-        slots = np.asarray(slot_l, dtype=np.int64)
-        owners = np.asarray(own_l, dtype=np.int64)
+        slots, owners = _cat(slot_l, slot_a), _cat(own_l, own_a)
         self._row_owner[rows] = owners
-        self._row_pos[rows] = np.asarray(pos_l, dtype=np.int64)
+        self._row_pos[rows] = _cat(pos_l, pos_a)
         self._row_slot[rows] = slots
         self._owner[slots] = owners
         pair = upload(np.stack([slots, rows]), self.device)
@@ -430,14 +436,18 @@ class MetricsStream:
         firsts = self._row_pos[rows[starts]].tolist()
         row_slots = self._row_slot[rows]
         bs, g = self.block_size, self.group
-        key_slots, prompt, vm_parts, vc_parts = [], [], [], []
+        cnt = np.asarray(counts, dtype=np.int64)
+        ends_np = np.asarray(firsts, dtype=np.int64) + cnt
+        # every key position of each request, in one vectorised pass; its pending rows' positions take the
+        # rows' own slots (the same unless blocks moved)
+        ks_flat, cu_k = slots_many([lv.tracked.block_ids[g] for lv in lives], bs, ends_np)
+        at = np.repeat(cu_k[:-1] + ends_np - cnt, cnt) + (np.arange(rows.shape[0]) - np.repeat(starts, cnt))
+        ks_flat[at] = row_slots
+        prompt, vm_parts, vc_parts = [], [], []
         vision_any = False
         for b, lv in enumerate(lives):
             t = lv.tracked
-            end = firsts[b] + counts[b]
-            ks = slots_of(t.block_ids[g], bs, 0, end)
-            ks[firsts[b]:end] = row_slots[starts[b]:ends[b]]  # the rows' own slots (the same unless blocks moved)
-            key_slots.append(ks)
+            end = int(ends_np[b])
             prompt.append(min(len(t.prompt_token_ids or ()), end))
             vp = getattr(t, "vision_positions", None)
             vm = None
@@ -448,17 +458,18 @@ class MetricsStream:
                 vision_any = vision_any or bool(vm.any())
             vm_parts.append(vm)
         if vision_any:
-            vm_parts = [np.zeros(len(ks), dtype=np.float32) if vm is None else vm for vm, ks in zip(vm_parts, key_slots)]
+            vm_parts = [np.zeros(int(e), dtype=np.float32) if vm is None else vm for vm, e in zip(vm_parts, ends_np)]
             vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
         seq = 0
         if self.kernels.fused:
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
-                self.kernels.run_fused(firsts, counts, rows, key_slots, prompt, vm_parts if vision_any else None,
+                self.kernels.run_fused(firsts, counts, rows, ks_flat, cu_k, prompt, vm_parts if vision_any else None,
                                        vc_parts if vision_any else None)
                 seq = self.side.mark()
         else:
-            self.kernels.run_torch(firsts, counts, rows, starts, key_slots, prompt, vm_parts if vision_any else None)
+            self.kernels.run_torch(firsts, counts, rows, starts, np.split(ks_flat, cu_k[1:-1]), prompt,
+                                   vm_parts if vision_any else None)
         # Their slots point at the padding row again (on the engine's stream, ordered with the slot table's
         # other updates); the rows are free once the flush has read them (see _reclaim).
         self.ring_of_slot.index_fill_(0, upload(row_slots, self.device), self.rows)
@@ -515,24 +526,22 @@ class FlushKernels:
         self.device_s = 0.0  # device time of the flush kernels (and their uploads), as far as completed
         self._timing: list = []
 
-    def run_fused(self, firsts, counts, rows_np, key_slots, prompt, vm_parts, vc_parts) -> None:
+    def run_fused(self, firsts, counts, rows_np, key_slots, cu_keys, prompt, vm_parts, vc_parts) -> None:
+        """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``)."""
         cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)
         cu_rows[1:] = np.cumsum(counts)
-        cu_keys = np.zeros(len(counts) + 1, dtype=np.int32)
-        cu_keys[1:] = np.cumsum([len(k) for k in key_slots])
+        cu_keys = np.asarray(cu_keys, dtype=np.int32)
         timed = self.device.type == "cuda"
         if timed:
             self._poll_timing()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        def up(a: np.ndarray) -> torch.Tensor:
-            return upload(a, self.device)
-
-        rows_d, cu_rows_d, first_d = up(rows_np), up(cu_rows), up(np.asarray(firsts, dtype=np.int32))
-        keys_d, cu_keys_d = up(np.concatenate(key_slots)), up(cu_keys)
-        prompt_d = up(np.asarray(prompt, dtype=np.int32))
-        vm_d = up(np.concatenate(vm_parts)) if vm_parts is not None else None
-        vc_d = up(np.concatenate(vc_parts).astype(np.float32)) if vc_parts is not None else None
+        host = [rows_np, cu_rows, np.asarray(firsts, dtype=np.int32), key_slots, cu_keys,
+                np.asarray(prompt, dtype=np.int32)]
+        if vm_parts is not None:
+            host += [np.concatenate(vm_parts).astype(np.float32), np.concatenate(vc_parts).astype(np.float32)]
+        rows_d, cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, *vis = upload_many(host, self.device)  # one copy
+        vm_d, vc_d = vis if vis else (None, None)
         if self._layered is not None:  # every layer in one launch
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(

@@ -159,6 +159,11 @@ class MapTap:
         self._inflight: list[tuple[int, list[int]]] = []  # rows a finish-time gather still reads
         self._reqs: dict[str, _Planned] = {}
         self.lost = 0  # requests that could not keep every query
+        # no token of the step about to run belongs to a planned request: every write would go to the padding
+        # row, so the forward's writes are skipped where they run eagerly (never while a CUDA graph is being
+        # captured: a graph replays whatever it captured)
+        self.idle = False
+        self.skipped_writes = 0
 
     @staticmethod
     def nbytes_for(layers: Sequence[LayerSpec], rows: int, num_slots: int, dtype: torch.dtype) -> int:
@@ -185,6 +190,9 @@ class MapTap:
     def write(self, layer: int, query: torch.Tensor, slot_mapping: torch.Tensor,
               value: torch.Tensor | None = None) -> None:
         """In the forward (graph-safe): this step's queries of ``layer``, the planned requests' to their rows."""
+        if self.idle and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self.skipped_writes += 1
+            return
         v = self.v.get(layer) if value is not None else None
         if layer not in self.q:  # a checked layer: its queries are in the Q/K tap, only its values here
             if v is not None:
@@ -195,6 +203,8 @@ class MapTap:
 
     def write_out(self, layer: int, output: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """After the attention (graph-safe): its output rows of the planned requests (ATTN_OTEL_VERIFY)."""
+        if self.idle and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
         triton_metrics.scatter_rows(self.out[layer], output, slot_mapping, self.num_slots, table=self.row_of_slot)
 
     # ------------------------------------------------------------------ engine loop, before a forward
@@ -230,6 +240,7 @@ class MapTap:
         if slots_l:
             pair = upload(np.stack([np.concatenate(slots_l), np.concatenate(rows_l)]), self.device)
             self.row_of_slot.index_copy_(0, pair[0], pair[1])
+        self.idle = not slots_l
 
     def _lose(self, req_id: str, r: _Planned) -> None:
         r.lost = True

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 logger = logging.getLogger("attn_otel")
 
@@ -1091,16 +1092,20 @@ def _output_tokens(runner, req_ids: list[str]) -> list[tuple[list[int] | None, o
 def _before_step(orig, runner, scheduler_output, *args, **kwargs):
     engine = getattr(runner, "_attn_otel", None)
     if engine is not None:
+        t0 = time.perf_counter()
         try:
-            _track(runner, engine, scheduler_output)
+            _track(runner, engine, scheduler_output, t0)
         except Exception:  # noqa: BLE001
             engine.stats.add("dropped", reason="capture_error")
             engine.warn_once("track", "could not follow this step's requests", exc=True)
+        engine.stats.step_times.append(time.perf_counter() - t0)
     return orig(runner, scheduler_output, *args, **kwargs)
 
 
-def _track(runner, engine, so) -> None:
+def _track(runner, engine, so, t0: float) -> None:
     from .tracking import FinishedRequest
+
+    parts = engine.stats.step_parts  # engine-loop time by part (only this thread writes it)
 
     tracker = engine.tracker
     stream = engine.stream
@@ -1134,6 +1139,8 @@ def _track(runner, engine, so) -> None:
         # any request sharing their prefix) are computed now, while their keys are still in the cache.
         stream.preempt(preempted)
         stream.finish(so.finished_req_ids)
+    t1 = time.perf_counter()
+    parts["finished_rows"] += t1 - t0
     if maptap is not None:
         maptap.preempt(preempted)
     if preempted:  # their blocks go back to vLLM: a forward that writes one waits for the work reading them
@@ -1159,6 +1166,8 @@ def _track(runner, engine, so) -> None:
         stream.forget(so.finished_req_ids)
     if shadow is not None:  # their blocks there: after the capture work above was recorded as reading them
         shadow.release(list(so.finished_req_ids))
+    t2 = time.perf_counter()
+    parts["captures"] += t2 - t1
     scheduled = so.num_scheduled_tokens
     items = []
     for new in so.scheduled_new_reqs:
@@ -1181,3 +1190,4 @@ def _track(runner, engine, so) -> None:
     if maptap is not None:
         maptap.schedule(items)
     side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads
+    parts["schedule"] += time.perf_counter() - t2

@@ -63,6 +63,56 @@ def start_server(model_dir: str, env: dict, log: Path) -> subprocess.Popen:
     raise RuntimeError("the server did not come up in 10 minutes")
 
 
+def engine_core_pid(proc: subprocess.Popen) -> int | None:
+    """The pid of the server's engine-core process (vLLM titles it ``VLLM::EngineCore``)."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+class HostProfile:
+    """py-spy sampling the engine-core process (every thread, idle included) while a block runs, when
+    ``BENCH_PYSPY`` names a py-spy binary: its collapsed stacks go to ``path`` (bench/host_profile.py reads
+    them).  A py-spy that cannot attach (no ptrace rights) is reported and the run goes on unprofiled."""
+
+    def __init__(self, proc: subprocess.Popen, path: Path, rate: int = 200) -> None:
+        self.proc, self.path, self.rate, self.spy = proc, path, rate, None
+
+    def __enter__(self):
+        exe = os.environ.get("BENCH_PYSPY")
+        pid = engine_core_pid(self.proc) if exe else None
+        if exe and pid is None:
+            print("[host profile] no engine-core process found; not profiled", flush=True)
+        if pid is not None:
+            self.spy = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--idle", "--nonblocking",
+                                         "--rate", str(self.rate), "--format", "raw", "--output", str(self.path)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            time.sleep(1.0)
+            if self.spy.poll() is not None:
+                print(f"[host profile] py-spy could not attach: {self.spy.stdout.read()[-2000:]}", flush=True)
+                self.spy = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.spy is None:
+            return
+        import signal
+
+        self.spy.send_signal(signal.SIGINT)
+        try:
+            out, _ = self.spy.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.spy.kill()
+            out, _ = self.spy.communicate()
+        print(f"[host profile] {out.strip().splitlines()[-2:] if out else ''}", flush=True)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:

@@ -60,6 +60,7 @@ DEEPSEEK_V2_LITE = {
 }
 MODELS = {"llama3-8b": LLAMA3_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
 MODEL = ["llama3-8b"]  # --model
+CAPACITY = [0.0]  # --capacity
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import online  # noqa: E402
 import workloads  # noqa: E402
@@ -286,13 +287,16 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
     result = {"phase": phase, "engine_start_s": time.perf_counter() - t0, "runs": []}
     try:
         online.run_load(4.0, seed=98, n=16)  # warm-up: a light load (small batches)
-        if phase == "off":
+        if CAPACITY[0]:
+            result["capacity_req_s"] = CAPACITY[0]
+        elif phase == "off":
             result["capacity_req_s"] = online.capacity()
         else:
             result["capacity_req_s"] = json.loads((out / "online-off.json").read_text())["capacity_req_s"]
         rate = online.LOAD * result["capacity_req_s"]
         online.run_load(rate, seed=97, n=online.REQUESTS // 4)  # warm-up at the measured rate
-        result["runs"] = [online.run_load(rate, seed=s) for s in range(repeats)]
+        with online.HostProfile(proc, out / f"pyspy-online-{phase}.txt"):  # with BENCH_PYSPY set
+            result["runs"] = [online.run_load(rate, seed=s) for s in range(repeats)]
         for r in result["runs"]:
             print(f"[online {phase}] {r['output_tokens_per_s']:.0f} tok/s, TTFT p99 {r['ttft_p99_s']:.3f} s, "
                   f"ITL p99 {r['itl_p99_s'] * 1000:.1f} ms, goodput {r['goodput_req_s']:.2f} req/s", flush=True)
@@ -409,6 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=list(MODELS), default="llama3-8b",
                     help="the model shape, dummy weights (give each model its own --out)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    ap.add_argument("--capacity", type=float, default=0.0,
+                    help="online: the capacity (req/s) to load at 80%%, instead of online-off.json's (diagnostics)")
     ap.add_argument("--report", action="store_true", help="merge the phase files in --out")
     ap.add_argument("--device", help="device name for phase files that lack it")
     ap.add_argument("--vllm-version", help="vLLM version for phase files that lack it")
@@ -421,6 +427,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     MODEL[0] = args.model
+    CAPACITY[0] = args.capacity
     if args.engine_profile:
         engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0], args.stacks,
                        0.01 if args.maps else 0.0)

@@ -388,3 +388,18 @@ def test_the_guard_waits_only_for_blocks_still_read():
     torch.cuda.synchronize()
     assert seen.sum().item() == 0
     assert not side.busy()
+
+
+def test_slots_many_equals_slots_of_per_request():
+    """The flush's vectorised key slots (every position of several requests at once) are each request's own."""
+    from attn_otel.slots import slots_many
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        bs = int(rng.choice([1, 4, 16]))
+        blocks = [rng.permutation(1000)[: rng.integers(1, 20)].tolist() for _ in range(rng.integers(1, 6))]
+        ends = [int(rng.integers(0, len(b) * bs + 1)) for b in blocks]
+        flat, cu = slots_many(blocks, bs, ends)
+        assert cu[-1] == sum(ends) == flat.shape[0]
+        for b, blk in enumerate(blocks):
+            np.testing.assert_array_equal(flat[cu[b]:cu[b + 1]], slots_of(blk, bs, 0, ends[b]))
