@@ -33,7 +33,9 @@ def gpu_model(tmp_path_factory):
     import transformers
 
     torch.manual_seed(0)
-    # TEST_GPU_ARCH=qwen3: the same shape as a Qwen3 (QK-norm: its norms' weights sharpen the attention instead)
+    # TEST_GPU_ARCH=qwen3: the same shape as a Qwen3 (QK-norm: its norms' weights sharpen the attention instead;
+    # x1.5, not x3: at x3 the attention is so sharp that vLLM's own bf16 greedy tokens leave HF fp32's at clear
+    # positions with capture off too, 63 of 85 agreeing on the CPU build; 82 of 82 at x1.5)
     arch = {"llama": "Llama", "qwen3": "Qwen3"}[os.environ.get("TEST_GPU_ARCH", "llama")]
     cfg = getattr(transformers, f"{arch}Config")(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
@@ -44,8 +46,8 @@ def gpu_model(tmp_path_factory):
         for layer in model.model.layers:
             attn = layer.self_attn
             if arch == "Qwen3":
-                attn.q_norm.weight.mul_(3.0)
-                attn.k_norm.weight.mul_(3.0)
+                attn.q_norm.weight.mul_(1.5)
+                attn.k_norm.weight.mul_(1.5)
             else:
                 attn.q_proj.weight.mul_(3.0)
                 attn.k_proj.weight.mul_(3.0)
