@@ -9,6 +9,7 @@ capture holds exactly the sequence's positions and token ids, its maps match HF 
 bf16's drift, and maps x V reproduce the layers' outputs (ATTN_OTEL_VERIFY)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,29 @@ def test_captures_under_speculative_decoding_are_exact(served_spec, smollm2_path
         cal.add_maps("tv", cap.maps(), fp32[cap.layers], bf16[cap.layers])
         check_reconstruction(cap)
     cal.check("SmolLM2 under ngram speculative decoding")
+
+
+# CI: gpt-oss (a sliding window on layer 0, learned sinks on both layers); TEST_SPEC_VARIANTS adds gemma2
+# (windows, soft-cap, query_pre_attn_scalar)
+SPEC_VARIANTS = os.environ.get("TEST_SPEC_VARIANTS", "gptoss").split(",")
+
+
+@pytest.mark.parametrize("which", SPEC_VARIANTS)
+def test_speculative_decoding_with_windows_soft_caps_and_sinks_is_exact(tmp_path, which):
+    """ngram drafts on a model whose layers carry attention terms: rejected drafts' positions are computed
+    again with the window, soft-cap and sink terms, the capture holds exactly the sequence, and every layer's
+    maps match HF eager fp32 within its bf16 drift (maps x V as the layer's output)."""
+    from test_engine_variants import check_maps, serve
+    from variant_models import build_gemma2, build_gptoss
+
+    # attention outputs zeroed (variant_models._markov): the maps are still the checked attention, and the next
+    # token depends on the current one alone, so drafts are accepted once the greedy output cycles
+    model = {"gptoss": build_gptoss, "gemma2": build_gemma2}[which](tmp_path / "model", markov=True)
+    store, got, _ = serve(tmp_path, model, "--spec")
+    drafted = got["spec"]["vllm:spec_decode_num_draft_tokens"]
+    accepted = got["spec"]["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, got["spec"]  # accepted drafts and rejected ones
+    assert got["captured"] == len(got["requests"]) and not got["dropped"], (got["captured"], got["dropped"])
+    assert all(len(r["output"]) >= 24 for r in got["requests"])  # decoding ran past the window of 16
+    report = check_maps(which, model, store, got)
+    print(f"\n{which} under ngram speculative decoding ({accepted} of {drafted} drafts accepted):", json.dumps(report))

@@ -20,7 +20,20 @@ def _save(model, path: Path) -> str:
     return str(path)
 
 
-def build_gemma2(path: Path, all_window: bool = False) -> str:
+def _markov(model) -> None:
+    """Zero every attention layer's output projection: the attention still runs (its maps are what is
+    checked) but the next token depends on the current token alone, so an ngram proposer's drafts are right
+    once the greedy output cycles (speculative decoding tests need accepted drafts as well as rejected ones)."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            if getattr(layer.self_attn.o_proj, "bias", None) is not None:
+                layer.self_attn.o_proj.bias.zero_()
+
+
+def build_gemma2(path: Path, all_window: bool = False, markov: bool = False) -> str:
     import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -32,6 +45,8 @@ def build_gemma2(path: Path, all_window: bool = False) -> str:
                        pad_token_id=0)
     cfg.layer_types = ["sliding_attention" if i % 2 == 0 or all_window else "full_attention" for i in range(4)]
     model = Gemma2ForCausalLM(cfg)
+    if markov:
+        _markov(model)
     return _save(model, path)
 
 
@@ -67,7 +82,7 @@ def build_mistral(path: Path) -> str:
     return _save(model, path)
 
 
-def build_gptoss(path: Path) -> str:
+def build_gptoss(path: Path, markov: bool = False) -> str:
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -81,6 +96,8 @@ def build_gptoss(path: Path) -> str:
     with torch.no_grad():  # sinks of a visible size: some heads keep much of their mass in the sink
         for layer in model.model.layers:
             layer.self_attn.sinks.copy_(torch.tensor([0.0, 2.0, 4.0, -2.0]))
+    if markov:
+        _markov(model)
     return _save(model, path)
 
 

@@ -1,5 +1,5 @@
 """Serve one of tests/variant_models.py's models with vLLM's CPU build and attn-otel, and write what the
-test compares: ``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS]``.
+test compares: ``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec]``.
 
 Serving as in production: prefix caching on (the second wave shares a long prefix with the first
 request), chunked prefill with a small step (max_num_batched_tokens=32, prompts of 50-200 tokens), and
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
+def main(model: str, store: str, out_json: str, num_blocks: int, spec: bool = False) -> None:
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAP_LAYERS": "all", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -34,10 +34,14 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
     # and TEST_KV_DTYPE the KV cache's format (auto, fp8, fp8_e4m3, fp8_e5m2)
     backend = os.environ.get("TEST_ATTENTION_BACKEND") or None
     kv_dtype = os.environ.get("TEST_KV_DTYPE", "auto")
+    # --spec: ngram speculative decoding (3 draft tokens a step).  A random model's next token depends mostly on
+    # the last one, so matching a single earlier token (prompt_lookup_min=1) drafts often and is sometimes right.
+    extra = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                    "prompt_lookup_min": 1}, "disable_log_stats": False} if spec else {}
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=32,
               max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=32 if chunked else 16,
               num_gpu_blocks_override=num_blocks, attention_backend=backend,
-              kv_cache_dtype=kv_dtype)
+              kv_cache_dtype=kv_dtype, **extra)
     rng = np.random.default_rng(0)
 
     def ids(n):
@@ -49,11 +53,14 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
 
     shared = ids(96)
     waves = [[shared + ids(16)], [shared + ids(8 + 5 * i) if i % 2 else ids(50 + 19 * i) for i in range(8)]]
+    if spec:  # longer prompts (more earlier tokens to match) and outputs, drafts past the window
+        waves = [[ids(90 + 15 * i) for i in range(6)]]
     results = []
     for prompts in waves:
         traces = [new_trace_id() for _ in prompts]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            [params(t, 3 + i % 4) for i, t in enumerate(traces)], use_tqdm=False)
+                            [params(t, 24 + 3 * i if spec else 3 + i % 4) for i, t in enumerate(traces)],
+                            use_tqdm=False)
         for t, o in zip(traces, outs):
             results.append({"trace_id": t, "prompt": list(o.prompt_token_ids),
                             "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)})
@@ -71,12 +78,14 @@ def main(model: str, store: str, out_json: str, num_blocks: int) -> None:
               "head_dim": s.head_dim, "num_kv_heads": s.num_kv_heads} for s in engine.layers]
     kv = llm.llm_engine.vllm_config.cache_config
     stats = engine.stats_snapshot()
+    drafts = ({m.name: getattr(m, "value", None) for m in llm.llm_engine.get_metrics() if "spec_decode" in m.name}
+              if spec else {})
     with open(out_json, "w") as f:
         json.dump({"requests": results, "layers": specs, "kv_groups": groups, "num_blocks": kv.num_gpu_blocks,
                    "attention_impl": engine.attrs.get("attention_impl"), "layer_kinds": engine.attrs.get("layer_kinds"),
                    "prefix_caching": bool(kv.enable_prefix_caching),
                    "chunked_prefill": bool(llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill),
-                   "captured": stats["captured"], "dropped": stats["dropped"]}, f)
+                   "captured": stats["captured"], "dropped": stats["dropped"], "spec": drafts}, f)
 
 
 if __name__ == "__main__":
@@ -85,4 +94,7 @@ if __name__ == "__main__":
         from attn_otel import vllm_adapter
 
         vllm_adapter._window_groups = lambda specs, kv_cache_config: (specs, [])
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64)
+    spec = "--spec" in sys.argv
+    if spec:
+        sys.argv.remove("--spec")
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64, spec)
