@@ -63,6 +63,30 @@ def _cat(ints: list[int], arrays: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([head, *arrays]) if arrays else head
 
 
+def _prompt_and_vision(tracked: Sequence[Any], ends: np.ndarray, firsts: list[int], counts: list[int]):
+    """A flush's per-request terms: each request's prompt length within its ``ends[b]`` keys, and, where some
+    request has vision positions, per request its keys' vision mask and its pending rows' running vision count
+    (else None, None)."""
+    prompt, vm_parts = [], []
+    vision_any = False
+    for b, t in enumerate(tracked):
+        end = int(ends[b])
+        prompt.append(min(len(t.prompt_token_ids or ()), end))
+        vp = getattr(t, "vision_positions", None)
+        vm = None
+        if vp is not None:
+            vm = np.zeros(end, dtype=np.float32)
+            k = min(end, len(vp))
+            vm[:k] = np.asarray(vp[:k], dtype=np.float32)
+            vision_any = vision_any or bool(vm.any())
+        vm_parts.append(vm)
+    if not vision_any:
+        return prompt, None, None
+    vm_parts = [np.zeros(int(e), dtype=np.float32) if vm is None else vm for vm, e in zip(vm_parts, ends)]
+    vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
+    return prompt, vm_parts, vc_parts
+
+
 class Side:
     """A second CUDA stream for capture work, so that the engine's next forward runs beside it, not after it.
 
@@ -443,33 +467,15 @@ class MetricsStream:
         ks_flat, cu_k = slots_many([lv.tracked.block_ids[g] for lv in lives], bs, ends_np)
         at = np.repeat(cu_k[:-1] + ends_np - cnt, cnt) + (np.arange(rows.shape[0]) - np.repeat(starts, cnt))
         ks_flat[at] = row_slots
-        prompt, vm_parts, vc_parts = [], [], []
-        vision_any = False
-        for b, lv in enumerate(lives):
-            t = lv.tracked
-            end = int(ends_np[b])
-            prompt.append(min(len(t.prompt_token_ids or ()), end))
-            vp = getattr(t, "vision_positions", None)
-            vm = None
-            if vp is not None:
-                vm = np.zeros(end, dtype=np.float32)
-                k = min(end, len(vp))
-                vm[:k] = np.asarray(vp[:k], dtype=np.float32)
-                vision_any = vision_any or bool(vm.any())
-            vm_parts.append(vm)
-        if vision_any:
-            vm_parts = [np.zeros(int(e), dtype=np.float32) if vm is None else vm for vm, e in zip(vm_parts, ends_np)]
-            vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
+        prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends_np, firsts, counts)
         seq = 0
         if self.kernels.fused:
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
-                self.kernels.run_fused(firsts, counts, rows, ks_flat, cu_k, prompt, vm_parts if vision_any else None,
-                                       vc_parts if vision_any else None)
+                self.kernels.run_fused(firsts, counts, rows, ks_flat, cu_k, prompt, vm_parts, vc_parts)
                 seq = self.side.mark()
         else:
-            self.kernels.run_torch(firsts, counts, rows, starts, np.split(ks_flat, cu_k[1:-1]), prompt,
-                                   vm_parts if vision_any else None)
+            self.kernels.run_torch(firsts, counts, rows, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)
         # Their slots point at the padding row again (on the engine's stream, ordered with the slot table's
         # other updates); the rows are free once the flush has read them (see _reclaim).
         self.ring_of_slot.index_fill_(0, upload(row_slots, self.device), self.rows)
