@@ -1,0 +1,46 @@
+"""bench/host_profile.py: py-spy's collapsed stacks of the server's engine core, summarised per thread (the
+online profile of bench/overhead.py with BENCH_PYSPY reads through it)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import host_profile  # noqa: E402
+
+RAW = """\
+thread (0x1): MainThread;run_busy_loop (vllm/v1/engine/core.py:900);step (vllm/v1/engine/core.py:400);_before_step (attn_otel/vllm_adapter.py:1097);_track (attn_otel/vllm_adapter.py:1180);schedule (attn_otel/stream.py:320) 30
+thread (0x1);run_busy_loop (vllm/v1/engine/core.py:900);step (vllm/v1/engine/core.py:401);Event.synchronize (torch/cuda/streams.py:231) 50
+thread (0x1): MainThread;run_busy_loop (vllm/v1/engine/core.py:900);step (vllm/v1/engine/core.py:402);_before_step (attn_otel/vllm_adapter.py:1099);execute_model (vllm/v1/worker/gpu/model_runner.py:88) 20
+thread (0x2): attn-otel-compute;_loop (attn_otel/compute.py:60);Condition.wait (threading.py:320) 100
+process 7:"python3 -m vllm";thread (0x3): tiny;idle (x.py:1) 1
+not a stack line
+"""
+
+
+def test_threads_are_merged_by_id_and_shares_are_per_thread(tmp_path):
+    path = tmp_path / "pyspy.txt"
+    path.write_text(RAW)
+    threads = host_profile.parse(path)
+    # the main thread's samples, named on some lines only, are one thread; line numbers are dropped
+    assert set(threads) == {"thread (0x1): MainThread", "thread (0x2): attn-otel-compute", "thread (0x3): tiny"}
+    assert sum(n for _, n in threads["thread (0x1): MainThread"]) == 100
+    text = host_profile.summarise(threads, "attn_otel", top=10)
+    main = text.split("## ")[1]
+    assert main.startswith("thread (0x1): MainThread: 100 samples")
+    assert "100.0%  run_busy_loop (vllm/v1/engine/core.py)" in main  # one entry across lines 900..902
+    assert "50.0%  _before_step (attn_otel/vllm_adapter.py)" in main
+    self_part = main.split("self:")[1].split("frames matching")[0]
+    assert "50.0%  Event.synchronize (torch/cuda/streams.py)" in self_part
+    assert "30.0%  schedule (attn_otel/stream.py)" in self_part
+    matching = main.split("frames matching 'attn_otel' (inclusive):")[1]
+    assert "30.0%  _track (attn_otel/vllm_adapter.py)" in matching and "core.py" not in matching
+    assert "tiny" not in text  # a thread with under 1% of the samples is left out
+
+
+def test_a_missing_or_empty_file_is_an_error_not_a_traceback(tmp_path, capsys):
+    assert host_profile.main([str(tmp_path / "none.txt")]) == 2
+    empty = tmp_path / "empty.txt"
+    empty.write_text("nothing here\n")
+    assert host_profile.main([str(empty)]) == 1
+    assert "no stacks" in capsys.readouterr().err
