@@ -1,5 +1,6 @@
 """Serve SmolLM2 with vLLM's CPU build, ngram speculative decoding and attn-otel, and write what
-tests/test_engine_spec.py compares: ``python spec_serve.py MODEL_DIR STORE OUT_JSON``.
+tests/test_engine_spec.py compares: ``python spec_serve.py MODEL_DIR STORE OUT_JSON [ngram|eagle|eagle3]``
+(EAGLE heads built for the model by tests/spec_heads.py).
 
 Prompts repeat a 20-token phrase four times, so that the ngram proposer drafts (3 tokens a step) and some of
 its drafts are rejected; prefix caching on, chunked prefill at 64 tokens a step, 6 requests at once."""
@@ -9,7 +10,7 @@ import os
 import sys
 
 
-def main(model: str, store: str, out_json: str) -> None:
+def main(model: str, store: str, out_json: str, method: str = "ngram") -> None:
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAPS_SAMPLE": "0", "ATTN_OTEL_ROW_METRICS": "all",
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ATTN_OTEL_STORE_TOKENS": "1", "ATTN_OTEL_VERIFY": "1",
@@ -20,9 +21,16 @@ def main(model: str, store: str, out_json: str) -> None:
     from attn_otel import vllm_adapter
     from attn_otel.ids import new_span_id, new_trace_id
 
+    if method == "ngram":
+        proposer = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    else:  # a one-layer head with its own attention layer (numbered after the target's) and KV cache
+        import spec_heads
+
+        build = {"eagle": spec_heads.build_eagle_head, "eagle3": spec_heads.build_eagle3_head}[method]
+        proposer = {"method": method, "model": build(model, os.path.abspath(f"head-{method}")),
+                    "num_speculative_tokens": 3}
     llm = LLM(model=model, max_model_len=1024, max_num_batched_tokens=64, seed=0, enable_prefix_caching=True,
-              disable_log_stats=False, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 2})
+              disable_log_stats=False, speculative_config=proposer)
     rng = np.random.default_rng(0)
     phrase = rng.integers(100, 5000, 20).tolist()
     prompts = [phrase * 4 + rng.integers(100, 5000, 10 + 7 * i).tolist() for i in range(6)]
@@ -36,10 +44,11 @@ def main(model: str, store: str, out_json: str) -> None:
     assert engine.flush(120), "captures not written within 120 s"
     spec = {m.name: getattr(m, "value", None) for m in llm.llm_engine.get_metrics() if "spec_decode" in m.name}
     with open(out_json, "w") as f:
-        json.dump({"stats": engine.stats_snapshot(), "spec": spec,
+        json.dump({"stats": engine.stats_snapshot(), "spec": spec, "layer_kinds": engine.attrs.get("layer_kinds"),
                    "requests": [{"trace_id": t, "prompt": list(o.prompt_token_ids),
                                  "output": list(o.outputs[0].token_ids)} for o, t in zip(outs, traces)]}, f)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/spec_heads.py
+    main(*sys.argv[1:5])

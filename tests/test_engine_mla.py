@@ -9,11 +9,13 @@ latent cache row ``[c_kv | k_pe]``, both read as vLLM holds them.  Checked again
 weights and tokens (maps, and per-row metrics against NumPy), calibrated by HF bf16's own drift, and against
 the backend's own output: maps x c_kv x W_UV per head (ATTN_OTEL_VERIFY)."""
 
+import json
+
 import numpy as np
 import pytest
 from reference import Calibrated, check_reconstruction, hf_references
 from test_engine_variants import serve
-from variant_models import build_deepseek
+from variant_models import build_deepseek, build_deepseek_mtp
 
 import attn_otel
 
@@ -59,3 +61,30 @@ def test_mla_maps_and_metrics_match_hf_eager_and_reconstruct_the_output(served_m
     rows.check("MLA per-row metrics against NumPy on HF eager fp32")
     assert sum(r["rows"] for r in recon) == sum(2 * 4 * (len(r["prompt"]) + len(r["output"]) - 1)
                                                 for r in got["requests"])
+
+
+def test_mtp_speculative_decoding_captures_the_target_exactly_and_never_the_mtp_layer(tmp_path):
+    """DeepSeek's multi-token prediction (``method="mtp"``): the model's own MTP layer (layer 2 of a 2-layer
+    model, MLA attention and MoE: tests/variant_models.build_deepseek_mtp) drafts 2 tokens a step between the
+    target's forwards, with its own attention layer and KV cache.  It is never captured and is named in
+    ``layer_kinds``; each capture holds exactly the accepted sequence; maps match HF eager fp32 within the
+    calibrated drift and reproduce each layer's output (maps x c_kv x W_UV)."""
+    model = build_deepseek_mtp(tmp_path / "model")
+    store, got, _ = serve(tmp_path, model, "--spec=mtp")
+    drafted = got["spec"]["vllm:spec_decode_num_draft_tokens"]
+    accepted = got["spec"]["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, got["spec"]
+    assert got["captured"] == len(got["requests"]) == 6 and got["dropped"] == {}
+    assert got["layer_kinds"] == {"0": "mla (KV-cache group 0)", "1": "mla (KV-cache group 0)",
+                                  "2": "not captured: the speculative decoding draft model's layer"}
+    maps, recon = Calibrated(), []
+    for r in got["requests"]:
+        (cap,) = attn_otel.open_trace(r["trace_id"], store)
+        ids = r["prompt"] + r["output"]
+        T = cap.num_tokens
+        assert T == len(ids) - 1 and list(cap.token_ids) == ids[:T] and list(cap.layers) == [0, 1]
+        fp32, bf16 = hf_references(model, ids[:T])
+        maps.add_maps("tv", cap.maps(), fp32, bf16)
+        recon.append(check_reconstruction(cap, mla=True))
+    maps.check("MLA maps under MTP speculative decoding against HF eager fp32")
+    print(f"\nMTP: {accepted} of {drafted} draft tokens accepted;", json.dumps(maps.report()))

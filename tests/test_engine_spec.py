@@ -56,6 +56,42 @@ def test_captures_under_speculative_decoding_are_exact(served_spec, smollm2_path
     cal.check("SmolLM2 under ngram speculative decoding")
 
 
+# CI: an EAGLE-3 head; TEST_SPEC_HEADS adds an EAGLE-1 head (tests/spec_heads.py, both built for SmolLM2 here)
+SPEC_HEADS = os.environ.get("TEST_SPEC_HEADS", "eagle3").split(",")
+
+
+@pytest.mark.parametrize("method", SPEC_HEADS)
+def test_an_eagle_heads_drafts_are_never_captured_and_the_targets_rows_are_exact(tmp_path, smollm2_path, method):
+    """A draft model with an attention layer of its own (EAGLE-3: fed the target's hidden states after layers 2,
+    15 and 30): its layer, numbered after the target's 30, runs with its own KV cache between the target's forwards
+    and is never captured, and is named in ``layer_kinds``; the target's captures hold exactly the accepted
+    sequence and match HF eager fp32 within the calibrated drift, maps x V as each layer's output."""
+    store, out = tmp_path / "store", tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(HERE / "spec_serve.py"), smollm2_path, str(store), str(out), method],
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    drafted = got["spec"]["vllm:spec_decode_num_draft_tokens"]
+    accepted = got["spec"]["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, got["spec"]
+    assert got["stats"]["captured"] == len(got["requests"]) and got["stats"]["dropped"] == {}
+    kinds = got["layer_kinds"]
+    assert kinds["30"] == "not captured: the speculative decoding draft model's layer", kinds
+    assert all(kinds[str(i)].startswith("attention") for i in range(30))
+    cal = Calibrated()
+    for r in got["requests"]:
+        (cap,) = attn_otel.open_trace(r["trace_id"], store)
+        ids = r["prompt"] + r["output"]
+        T = cap.num_tokens
+        assert T == len(ids) - 1 and list(cap.token_ids) == ids[:T]
+        assert max(cap.layers) < 30  # the target's layers only
+        fp32, bf16 = hf_references(smollm2_path, ids[:T])
+        cal.add_maps("tv", cap.maps(), fp32[cap.layers], bf16[cap.layers])
+        check_reconstruction(cap)
+    cal.check(f"SmolLM2 under {method} speculative decoding")
+    print(f"\n{method}: {accepted} of {drafted} draft tokens accepted;", json.dumps(cal.report()))
+
+
 # CI: gpt-oss (a sliding window on layer 0, learned sinks on both layers); TEST_SPEC_VARIANTS adds gemma2
 # (windows, soft-cap, query_pre_attn_scalar)
 SPEC_VARIANTS = os.environ.get("TEST_SPEC_VARIANTS", "gptoss").split(",")

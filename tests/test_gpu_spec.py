@@ -20,6 +20,7 @@ import os
 import numpy as np
 import pytest
 from reference import Calibrated, check_reconstruction, hf_references
+from spec_heads import build_eagle_head
 from test_gpu import HEADS, LAYERS, gpu_model  # noqa: F401 - the same target model
 
 import attn_otel
@@ -28,37 +29,6 @@ from attn_otel.ids import new_span_id, new_trace_id
 pytestmark = pytest.mark.gpu
 METHOD = os.environ.get("TEST_SPEC_METHOD", "eagle")
 DRAFTS = 3
-
-
-def build_eagle_head(target: str, path) -> str:
-    """An EAGLE-1 head for ``target`` in the checkpoint layout vLLM's ``EagleLlamaForCausalLM`` loads: weights named
-    ``fc.weight``, ``layers.0.*``, ``embed_tokens.weight`` (no ``model.`` prefix, no input layernorm on layer 0;
-    the head has no ``lm_head`` of its own in vLLM 0.26: it uses the target's), config of a one-layer Llama."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    big = LlamaForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
-    cfg = LlamaConfig.from_pretrained(target)
-    cfg.num_hidden_layers = 1
-    torch.manual_seed(1)
-    head = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    hidden = cfg.hidden_size
-    state = {}
-    for name, w in head.model.layers[0].state_dict().items():
-        if name.startswith("input_layernorm"):
-            continue
-        if name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
-            w = torch.zeros_like(w)  # the layer adds nothing to its residual: the head's output is fc's
-        state[f"layers.0.{name}"] = w.contiguous()
-    fc = torch.zeros((hidden, 2 * hidden), dtype=torch.bfloat16)
-    fc[:, hidden:] = torch.eye(hidden, dtype=torch.bfloat16)  # [embedding | target hidden] -> target hidden
-    state["fc.weight"] = fc
-    state["embed_tokens.weight"] = big.model.embed_tokens.weight.detach().clone()
-    os.makedirs(path, exist_ok=True)
-    save_file(state, os.path.join(path, "model.safetensors"))
-    cfg.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -160,3 +160,48 @@ def build_llama4(path: Path) -> str:
                            attn_temperature_tuning=True, floor_scale=16, attn_scale=0.1)
     model = Llama4ForCausalLM(cfg)
     return _save(model, path)
+
+
+def build_deepseek_mtp(path: Path, noise: float = 0.5) -> str:
+    """The DeepSeek-V3-shaped model (:func:`build_deepseek`) with one multi-token-prediction layer (DeepSeek's
+    MTP, ``num_nextn_predict_layers=1``: weights ``model.layers.2.{enorm,hnorm,eh_proj,shared_head.*}`` and a
+    decoder block, MLA attention and MoE, at ``model.layers.2.*``), for vLLM's ``mtp`` speculative decoding.
+
+    Made so that the MTP layer predicts the model's next token, imperfectly: every attention output projection
+    is zero and layer 0's MLP adds nothing, so the model's next token is a function of the current token alone
+    (its MLA attention still runs: its maps are what is checked), the embedding rows have RMS 1 so the MTP
+    layer's ``enorm`` passes them through, ``eh_proj = [I | 0]`` takes the token's embedding, and the MTP block is
+    layer 1 again with noise (``noise`` x each weight's spread) on its experts.  Drafts are then sometimes
+    accepted and mostly rejected (35 of 298 in tests/test_engine_mla.py), which is what the capture must get right.
+    HF's model ignores layer 2 (it has 2 layers), the reference maps are the two target layers'."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(build_deepseek(path, sharpen=2.0))
+    state = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    for i in (0, 1):
+        state[f"model.layers.{i}.self_attn.o_proj.weight"].zero_()
+    state["model.layers.0.mlp.down_proj.weight"].zero_()
+    emb = state["model.embed_tokens.weight"].float()
+    state["model.embed_tokens.weight"] = (emb / emb.pow(2).mean(-1, keepdim=True).sqrt()).to(torch.bfloat16)
+    for k in [k for k in state if k.startswith("model.layers.1.")]:
+        w = state[k].clone()
+        if ".experts." in k and w.dim() == 2:
+            w = (w.float() + noise * w.float().std() * torch.randn(w.shape, generator=g)).to(w.dtype)
+        state[k.replace("model.layers.1.", "model.layers.2.")] = w
+    hidden = state["model.norm.weight"].shape[0]
+    ones = torch.ones(hidden, dtype=torch.bfloat16)
+    eh = torch.zeros((hidden, 2 * hidden), dtype=torch.bfloat16)
+    eh[:, :hidden] = torch.eye(hidden, dtype=torch.bfloat16)
+    state.update({"model.layers.2.enorm.weight": ones, "model.layers.2.hnorm.weight": ones.clone(),
+                  "model.layers.2.eh_proj.weight": eh,
+                  "model.layers.2.shared_head.norm.weight": state["model.norm.weight"].clone(),
+                  "model.layers.2.shared_head.head.weight": state["lm_head.weight"].clone()})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return str(path)

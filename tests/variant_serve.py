@@ -1,5 +1,5 @@
 """Serve one of tests/variant_models.py's models with vLLM's CPU build and attn-otel, and write what the
-test compares: ``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec]``.
+test compares: ``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]]``.
 
 Serving as in production: prefix caching on (the second wave shares a long prefix with the first
 request), chunked prefill with a small step (max_num_batched_tokens=32, prompts of 50-200 tokens), and
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def main(model: str, store: str, out_json: str, num_blocks: int, spec: bool = False) -> None:
+def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "") -> None:
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAP_LAYERS": "all", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -36,9 +36,14 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: bool = Fa
     kv_dtype = os.environ.get("TEST_KV_DTYPE", "auto")
     # --spec: ngram speculative decoding (3 draft tokens a step).  A random model's next token depends mostly on
     # the last one, so matching a single earlier token (prompt_lookup_min=1) drafts often and is sometimes right.
-    extra = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                                    "prompt_lookup_min": 1}, "disable_log_stats": False} if spec else {}
-    llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=32,
+    # --spec=mtp: the model's own multi-token-prediction layer drafts (variant_models.build_deepseek_mtp)
+    proposer = ({"method": "mtp", "num_speculative_tokens": 2} if spec == "mtp" else
+                {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    extra = {"speculative_config": proposer, "disable_log_stats": False} if spec else {}
+    # The CPU build turns chunked prefill off for MLA after the speculative config capped the step at 32 tokens:
+    # a longer prompt would then never be scheduled (vLLM hangs, with or without attn-otel), so MTP gets 512
+    step = 512 if spec == "mtp" else 32
+    llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=step,
               max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=32 if chunked else 16,
               num_gpu_blocks_override=num_blocks, attention_backend=backend,
               kv_cache_dtype=kv_dtype, **extra)
@@ -94,7 +99,8 @@ if __name__ == "__main__":
         from attn_otel import vllm_adapter
 
         vllm_adapter._window_groups = lambda specs, kv_cache_config: (specs, [])
-    spec = "--spec" in sys.argv
-    if spec:
-        sys.argv.remove("--spec")
+    spec = ""
+    for arg in [a for a in sys.argv if a.startswith("--spec")]:  # --spec (ngram) or --spec=METHOD
+        sys.argv.remove(arg)
+        spec = arg.partition("=")[2] or "ngram"
     main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64, spec)
