@@ -21,6 +21,13 @@ vLLM's OpenAI server under Poisson arrivals at 80% of the capacity measured with
 
 Phases can run in separate calls (results go to DIR/phase-*.json and DIR/online-*.json) and are merged by
 ``--report``.
+
+Where the online latency goes: ``BENCH_PYSPY=/path/to/py-spy`` samples the server's engine-core process
+during the measured runs (DIR/pyspy-online-PHASE.txt; ``bench/host_profile.py`` summarises it), and
+``--capacity REQ_S`` loads at 80% of a capacity measured before instead of measuring it again:
+
+    BENCH_PYSPY=/tmp/pyspy/bin/py-spy python3 bench/overhead.py --online off --online default --capacity 39.47 --out DIR
+    python3 bench/host_profile.py DIR/pyspy-online-default.txt --match attn_otel
 """
 
 from __future__ import annotations
