@@ -46,21 +46,7 @@ class _PinnedRing:
                 ev.synchronize()
 
     def upload(self, a: np.ndarray) -> torch.Tensor:
-        n = a.nbytes
-        with self.lock:
-            if self.head + n > self.size:
-                self.head = 0
-            start, end = self.head, self.head + n
-            self._free(start, end)
-            self.host[start:end].view(a.dtype).reshape(a.shape)[...] = a
-            out = torch.empty(a.shape, dtype=_torch_dtype(a.dtype), device=self.device)
-            out.copy_(self.buf[start:end].view(out.dtype).view(a.shape), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self.inflight.append((start, end, ev))
-            self.head = -(-end // _ALIGN) * _ALIGN
-        return out
-
+        return self.upload_many([a])[0]
 
     def upload_many(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """Several arrays in one copy: packed (16-byte aligned) into one region, returned as views of one
