@@ -163,7 +163,6 @@ class MapTap:
         # row, so the forward's writes are skipped where they run eagerly (never while a CUDA graph is being
         # captured: a graph replays whatever it captured)
         self.idle = False
-        self.skipped_writes = 0
 
     @staticmethod
     def nbytes_for(layers: Sequence[LayerSpec], rows: int, num_slots: int, dtype: torch.dtype) -> int:
@@ -187,11 +186,14 @@ class MapTap:
             width = s.latent if v_up is not None else head_dim_v
             self.v[layer] = torch.zeros((self.rows + 1, s.num_kv_heads, width), dtype=self.dtype, device=self.device)
 
+    def _skip(self) -> bool:
+        """Whether this forward's writes can be left out (see ``idle``)."""
+        return self.idle and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
     def write(self, layer: int, query: torch.Tensor, slot_mapping: torch.Tensor,
               value: torch.Tensor | None = None) -> None:
         """In the forward (graph-safe): this step's queries of ``layer``, the planned requests' to their rows."""
-        if self.idle and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            self.skipped_writes += 1
+        if self._skip():
             return
         v = self.v.get(layer) if value is not None else None
         if layer not in self.q:  # a checked layer: its queries are in the Q/K tap, only its values here
@@ -203,7 +205,7 @@ class MapTap:
 
     def write_out(self, layer: int, output: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """After the attention (graph-safe): its output rows of the planned requests (ATTN_OTEL_VERIFY)."""
-        if self.idle and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if self._skip():
             return
         triton_metrics.scatter_rows(self.out[layer], output, slot_mapping, self.num_slots, table=self.row_of_slot)
 
