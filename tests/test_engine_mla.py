@@ -43,6 +43,12 @@ def test_every_mla_layer_is_captured_from_the_latent_cache(served_mla):
 
 def test_mla_maps_and_metrics_match_hf_eager_and_reconstruct_the_output(served_mla):
     model, store, got, _ = served_mla
+    check_mla(model, store, got, "MLA")
+
+
+def check_mla(model, store, got, what: str) -> None:
+    """Every request's maps against HF eager fp32 (calibrated), its per-row metrics against NumPy on those, and
+    maps x c_kv x W_UV against each layer's output (ATTN_OTEL_VERIFY)."""
     maps, rows, recon = Calibrated(), Calibrated(), []
     for r in got["requests"]:
         (cap,) = attn_otel.open_trace(r["trace_id"], store)
@@ -57,10 +63,48 @@ def test_mla_maps_and_metrics_match_hf_eager_and_reconstruct_the_output(served_m
         for li in range(2):
             rows.add_metrics("", {n: v[li] for n, v in cap.metrics.items()}, fp32[li], bf16[li], cap.prompt_len)
         recon.append(check_reconstruction(cap, mla=True))
-    maps.check("MLA maps against HF eager fp32")
-    rows.check("MLA per-row metrics against NumPy on HF eager fp32")
+    maps.check(f"{what} maps against HF eager fp32")
+    rows.check(f"{what} per-row metrics against NumPy on HF eager fp32")
     assert sum(r["rows"] for r in recon) == sum(2 * 4 * (len(r["prompt"]) + len(r["output"]) - 1)
                                                 for r in got["requests"])
+
+
+def test_mla_under_enforce_eager_is_captured_exactly(tmp_path):
+    """``enforce_eager=True``: no torch.compile, so the tap runs in the same Python forward as the attention, and
+    vLLM's CPU custom ops (RMSNorm, SiLU-and-mul, ...) run instead of their torch versions.  All but one: the CPU
+    build's rotary-embedding kernel rotates a 3-D query view ([T, H, 64] of MLA's [T, H, 96] query) wrongly
+    (test_the_cpu_builds_rotary_kernel_still_mis_rotates_3d_queries), so with it vLLM's DeepSeek is a different model
+    from HF's; it is left on its torch version here."""
+    model = build_deepseek(tmp_path / "model", sharpen=2.0)
+    store, got, _ = serve(tmp_path, model, "--eager=all,-rotary_embedding")
+    assert got["captured"] == len(got["requests"]) == 9 and got["dropped"] == {}
+    check_mla(model, store, got, "MLA (eager)")
+
+
+def test_the_cpu_builds_rotary_kernel_still_mis_rotates_3d_queries():
+    """A vLLM defect, not attn-otel's, kept here because it decides what the eager MLA test can compare: on the
+    CPU build, ``RotaryEmbedding.forward_cpu`` (vLLM's C++ ``rotary_embedding``, used where custom ops are on:
+    ``enforce_eager`` turns them on) gets a 3-D ``[T, H, D]`` query wrong, and the same values as ``[T, H * D]``
+    right.  vLLM's MLA passes the 3-D view.  attn-otel still captures what vLLM computed there (maps x V give back
+    the output); only the model is no longer HF's.  When this test fails, vLLM has fixed the kernel: drop the
+    exclusion above and the entry in docs/known-limits.md."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    g = torch.Generator().manual_seed(0)
+    T, H, D = 7, 4, 64
+    q = torch.randn(T, H, D, generator=g, dtype=torch.bfloat16)
+    k = torch.randn(T, 1, D, generator=g, dtype=torch.bfloat16)
+    pos = torch.arange(T)
+    with set_current_vllm_config(VllmConfig()):
+        rope = get_rope(D, max_position=1024, is_neox_style=False, rope_parameters={"rope_theta": 10000.0},
+                        dtype=torch.bfloat16)
+        want, _ = rope.forward_native(pos, q.clone(), k.clone())
+        flat, _ = rope.forward_cpu(pos, q.clone().view(T, H * D), k.clone().view(T, D))
+        three, _ = rope.forward_cpu(pos, q.clone(), k.clone())
+    assert (flat.view(T, H, D).float() - want.float()).abs().max() <= 0.02  # bf16 rounding of the rotation
+    assert (three.float() - want.float()).abs().max() > 1.0
 
 
 def test_mtp_speculative_decoding_captures_the_target_exactly_and_never_the_mtp_layer(tmp_path):

@@ -1,5 +1,6 @@
 """Serve one of tests/variant_models.py's models with vLLM's CPU build and attn-otel, and write what the
-test compares: ``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]]``.
+test compares: ``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]] [--eager[=OPS]]``
+(``--eager``: ``enforce_eager``, with ``OPS`` as ``compilation_config.custom_ops`` where given).
 
 Serving as in production: prefix caching on (the second wave shares a long prefix with the first
 request), chunked prefill with a small step (max_num_batched_tokens=32, prompts of 50-200 tokens), and
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 
-def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "") -> None:
+def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "", eager: str | None = None) -> None:
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAP_LAYERS": "all", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -46,7 +47,8 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "")
     # With MTP the garbage collector is off while the engine starts: compiling the draft on the CPU build sometimes
     # aborted the process (a CPU GEMM handler's __del__ calls .item() when the collector runs it inside
     # torch.compile's fake-tensor tracing, and recurses until the stack overflows: seen once in CI, logged as a
-    # RecursionError in runs that survive).  Not enforce_eager: MTP's maps came out wrong with it (known-limits).
+    # RecursionError in runs that survive).  Not enforce_eager: it turns on the CPU build's rotary-embedding kernel, which
+    # rotates MLA's 3-D query views wrongly, so vLLM's DeepSeek then differs from HF's (docs/known-limits.md).
     import gc
 
     if spec == "mtp":
@@ -54,7 +56,7 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "")
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=step,
               max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=32 if chunked else 16,
               num_gpu_blocks_override=num_blocks, attention_backend=backend,
-              kv_cache_dtype=kv_dtype, **extra)
+              kv_cache_dtype=kv_dtype, **extra, **_eager(eager))
     gc.enable()
     rng = np.random.default_rng(0)
 
@@ -102,6 +104,13 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "")
                    "captured": stats["captured"], "dropped": stats["dropped"], "spec": drafts}, f)
 
 
+def _eager(ops: str | None) -> dict:
+    """LLM arguments for ``--eager[=OPS]`` (None: compiled, vLLM's default)."""
+    if ops is None:
+        return {}
+    return {"enforce_eager": True, **({"compilation_config": {"custom_ops": ops.split(",")}} if ops else {})}
+
+
 if __name__ == "__main__":
     if "--own-slots" in sys.argv:  # the control: windowed layers tapped by their own group's (freed) slots
         sys.argv.remove("--own-slots")
@@ -112,4 +121,8 @@ if __name__ == "__main__":
     for arg in [a for a in sys.argv if a.startswith("--spec")]:  # --spec (ngram) or --spec=METHOD
         sys.argv.remove(arg)
         spec = arg.partition("=")[2] or "ngram"
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64, spec)
+    eager = None
+    for arg in [a for a in sys.argv if a.startswith("--eager")]:
+        sys.argv.remove(arg)
+        eager = arg.partition("=")[2]
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64, spec, eager)
