@@ -1,6 +1,6 @@
 """Serve one of tests/variant_models.py's models with vLLM's CPU build and attn-otel, and write what the
-test compares: ``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]] [--eager[=OPS]]``
-(``--eager``: ``enforce_eager``, with ``OPS`` as ``compilation_config.custom_ops`` where given).
+test compares:
+``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]] [--eager[=OPS]]`` (``--eager``: ``enforce_eager``, with ``OPS`` as ``compilation_config.custom_ops`` where given).
 
 Serving as in production: prefix caching on (the second wave shares a long prefix with the first
 request), chunked prefill with a small step (max_num_batched_tokens=32, prompts of 50-200 tokens), and
@@ -47,8 +47,8 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
     # With MTP the garbage collector is off while the engine starts: compiling the draft on the CPU build sometimes
     # aborted the process (a CPU GEMM handler's __del__ calls .item() when the collector runs it inside
     # torch.compile's fake-tensor tracing, and recurses until the stack overflows: seen once in CI, logged as a
-    # RecursionError in runs that survive).  Not enforce_eager: it turns on the CPU build's rotary-embedding kernel, which
-    # rotates MLA's 3-D query views wrongly, so vLLM's DeepSeek then differs from HF's (docs/known-limits.md).
+    # RecursionError in runs that survive).  Not enforce_eager: it turns on the CPU build's rotary-embedding kernel,
+    # which rotates MLA's 3-D query views wrongly, so vLLM's DeepSeek then differs from HF's (docs/known-limits.md).
     import gc
 
     if spec == "mtp":
