@@ -1,6 +1,7 @@
 """Serve one of tests/variant_models.py's models with vLLM's CPU build and attn-otel, and write what the
 test compares:
-``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]] [--eager[=OPS]]`` (``--eager``: ``enforce_eager``, with ``OPS`` as ``compilation_config.custom_ops`` where given).
+``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]] [--eager[=OPS]]``
+(``--eager``: ``enforce_eager``, with ``OPS`` as ``compilation_config.custom_ops`` where given).
 
 Serving as in production: prefix caching on (the second wave shares a long prefix with the first
 request), chunked prefill with a small step (max_num_batched_tokens=32, prompts of 50-200 tokens), and
