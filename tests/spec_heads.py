@@ -60,8 +60,9 @@ def build_eagle3_head(target: str, path) -> str:
     """An EAGLE-3 head in the layout vLLM's ``Eagle3LlamaForCausalLM`` loads (``midlayer.*``, ``fc.weight``,
     ``norm.weight``, ``lm_head.weight``, ``embed_tokens.weight``; architecture ``LlamaForCausalLMEagle3``).
 
-    The target hands the head its hidden states after layers 2, L/2 and L (``eagle_aux_hidden_state_layer_ids``;
-    L is the last layer's output, before the final norm).  ``fc = [0 | 0 | I]`` keeps the last, the layer adds
+    The target hands the head its hidden states after layers min(2, L/4), L/2 and L
+    (``eagle_aux_hidden_state_layer_ids``: 2, 15, 30 for SmolLM2; 1, 2, 4 for a 4-layer target; L is the last
+    layer's output, before the final norm).  ``fc = [0 | 0 | I]`` keeps the last, the layer adds
     nothing, ``norm`` and ``lm_head`` are the target's own.  The hidden state the head gets is the one that
     predicted the token just sampled, so, like the EAGLE-1 head, it proposes that token again: accepted where
     the target repeats itself, rejected elsewhere."""
@@ -84,7 +85,7 @@ def build_eagle3_head(target: str, path) -> str:
     save_file(state, os.path.join(path, "model.safetensors"))
     conf = {**cfg.to_dict(), "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
             "tie_word_embeddings": False, "draft_vocab_size": cfg.vocab_size, "target_hidden_size": hidden,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, layers // 2, layers]}}
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [min(2, layers // 4), layers // 2, layers]}}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(conf, f, indent=1)
     return str(path)

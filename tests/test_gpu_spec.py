@@ -1,6 +1,7 @@
 """Speculative decoding on an NVIDIA GPU (issue 21 item 5): EAGLE, or ngram, in vLLM's default serving config.
 
 Run on the lent GPU machine: ``TEST_SPEC_METHOD=eagle python3 -P -m pytest -m gpu tests/test_gpu_spec.py`` (or
+``eagle3``: an EAGLE-3 head fed the target's hidden states after layers 1, 2 and 4, tests/spec_heads.py; or
 ``ngram``).  The target is tests/test_gpu.py's random-weight Llama.  The EAGLE draft is an EAGLE-1 head built here
 for it: one Llama layer whose ``fc`` passes the target's hidden state through (``[0 | I]``) and whose attention and
 MLP outputs are zero, so the head proposes what the target's own logits at the last position propose: the last
@@ -20,7 +21,7 @@ import os
 import numpy as np
 import pytest
 from reference import Calibrated, check_reconstruction, hf_references
-from spec_heads import build_eagle_head
+from spec_heads import build_eagle3_head, build_eagle_head
 from test_gpu import HEADS, LAYERS, gpu_model  # noqa: F401 - the same target model
 
 import attn_otel
@@ -39,8 +40,9 @@ def spec_engine(gpu_model, tmp_path_factory):  # noqa: F811
                        "ATTN_OTEL_STORE_TOKENS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     from vllm import LLM
 
-    if METHOD == "eagle":
-        spec = {"method": "eagle", "model": build_eagle_head(gpu_model, tmp_path_factory.mktemp("eagle")),
+    if METHOD in ("eagle", "eagle3"):
+        build = build_eagle_head if METHOD == "eagle" else build_eagle3_head
+        spec = {"method": METHOD, "model": build(gpu_model, tmp_path_factory.mktemp(METHOD)),
                 "num_speculative_tokens": DRAFTS}
     else:
         spec = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
@@ -95,6 +97,6 @@ def test_speculative_captures_are_exact_and_hold_accepted_rows_only(spec_engine,
     accepted = spec.get("vllm:spec_decode_num_accepted_tokens") or 0
     assert 0 < accepted < drafted, spec  # both paths: accepted drafts and rejected ones
     assert stats["captured"] == len(prompts) and stats["dropped"] == {}
-    if METHOD == "eagle":  # the draft's attention layer exists, and is named as not captured
+    if METHOD != "ngram":  # the draft's attention layer exists, and is named as not captured
         assert kinds and kinds.get(str(LAYERS), "").startswith("not captured: the speculative decoding draft"), kinds
     cal.check(f"GPU {METHOD} speculative decoding")
