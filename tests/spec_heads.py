@@ -73,6 +73,7 @@ def build_eagle3_head(target: str, path) -> str:
     big = LlamaForCausalLM.from_pretrained(target, dtype=torch.bfloat16)
     cfg = LlamaConfig.from_pretrained(target)
     hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    aux = [min(2, layers // 4), layers // 2, layers]
     state = {f"midlayer.{k}": v for k, v in _zeroed_layer(cfg, 3, qkv_in=2 * hidden).items()}
     state["midlayer.hidden_norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     fc = torch.zeros((hidden, 3 * hidden), dtype=torch.bfloat16)
@@ -85,7 +86,8 @@ def build_eagle3_head(target: str, path) -> str:
     save_file(state, os.path.join(path, "model.safetensors"))
     conf = {**cfg.to_dict(), "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
             "tie_word_embeddings": False, "draft_vocab_size": cfg.vocab_size, "target_hidden_size": hidden,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [min(2, layers // 4), layers // 2, layers]}}
+            # top level for vLLM 0.26 (the GPU's), inside eagle_config for 0.32 (the CPU build's)
+            "eagle_aux_hidden_state_layer_ids": aux, "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(conf, f, indent=1)
     return str(path)

@@ -104,14 +104,17 @@ def build_gptoss(path: Path, markov: bool = False) -> str:
 def build_deepseek(path: Path, sharpen: float = 3.0) -> str:
     """A DeepSeek-V3-shaped model: multi-head latent attention (q_lora_rank 64, kv_lora_rank 512, rope 64,
     nope 32, v 32; the CPU build's MLA decode kernel takes only a 512 + 64 latent row), one dense layer then
-    one MoE layer (4 routed experts, 2 per token, one shared)."""
+    one MoE layer (4 routed experts, 2 per token, one shared).  On a CUDA machine nope and v are DeepSeek's own
+    128: vLLM 0.26's GPU MLA prefill backends serve no other."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    nope = 128 if torch.cuda.is_available() else 32
 
     torch.manual_seed(0)
     cfg = DeepseekV3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
-                           kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                           kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=nope, v_head_dim=nope,
                            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                            n_group=1, topk_group=1, max_position_embeddings=1024, initializer_range=0.1,
                            rope_scaling=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
