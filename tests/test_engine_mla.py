@@ -46,7 +46,7 @@ def test_mla_maps_and_metrics_match_hf_eager_and_reconstruct_the_output(served_m
     check_mla(model, store, got, "MLA")
 
 
-def check_mla(model, store, got, what: str) -> None:
+def check_mla(model, store, got, what: str) -> dict:
     """Every request's maps against HF eager fp32 (calibrated), its per-row metrics against NumPy on those, and
     maps x c_kv x W_UV against each layer's output (ATTN_OTEL_VERIFY)."""
     maps, rows, recon = Calibrated(), Calibrated(), []
@@ -67,6 +67,7 @@ def check_mla(model, store, got, what: str) -> None:
     rows.check(f"{what} per-row metrics against NumPy on HF eager fp32")
     assert sum(r["rows"] for r in recon) == sum(2 * 4 * (len(r["prompt"]) + len(r["output"]) - 1)
                                                 for r in got["requests"])
+    return {"maps": maps.report(), "reconstruction_p99_worst": max(r["p99"] for r in recon)}
 
 
 def test_mla_under_enforce_eager_is_captured_exactly(tmp_path):
@@ -78,7 +79,8 @@ def test_mla_under_enforce_eager_is_captured_exactly(tmp_path):
     model = build_deepseek(tmp_path / "model", sharpen=2.0)
     store, got, _ = serve(tmp_path, model, "--eager=all,-rotary_embedding")
     assert got["captured"] == len(got["requests"]) == 9 and got["dropped"] == {}
-    check_mla(model, store, got, "MLA (eager)")
+    report = check_mla(model, store, got, "MLA (eager)")
+    print(f"\neager MLA ({got['attention_impl']}):", json.dumps(report))
 
 
 def test_the_cpu_builds_rotary_kernel_still_mis_rotates_3d_queries():
@@ -131,4 +133,4 @@ def test_mtp_speculative_decoding_captures_the_target_exactly_and_never_the_mtp_
         maps.add_maps("tv", cap.maps(), fp32, bf16)
         recon.append(check_reconstruction(cap, mla=True))
     maps.check("MLA maps under MTP speculative decoding against HF eager fp32")
-    print(f"\nMTP: {accepted} of {drafted} draft tokens accepted;", json.dumps(maps.report()))
+    print(f"\nMTP ({got['attention_impl']}): {accepted} of {drafted} draft tokens accepted;", json.dumps(maps.report()))

@@ -37,7 +37,9 @@ def spec_engine(gpu_model, tmp_path_factory):  # noqa: F811
     store = tmp_path_factory.mktemp("store-spec")
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAPS_SAMPLE": "0", "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_VERIFY": "1",
-                       "ATTN_OTEL_STORE_TOKENS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                       "ATTN_OTEL_STORE_TOKENS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       # greedy anyway; FlashInfer's sampler is JIT-built by vLLM's warm-up on a fresh machine (minutes)
+                       "VLLM_USE_FLASHINFER_SAMPLER": "0"})
     from vllm import LLM
 
     if METHOD in ("eagle", "eagle3"):

@@ -21,7 +21,10 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
                        "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                        "ATTN_OTEL_VERIFY": "1",  # maps x V against each layer's own output
                        "ATTN_OTEL_STORE_TOKENS": "1",  # stored ids are checked against vLLM's
-                       "VLLM_CPU_KVCACHE_SPACE": "1"})
+                       "VLLM_CPU_KVCACHE_SPACE": "1",
+                       # GPU: vLLM 0.26's warm-up JIT-builds FlashInfer's sampling module with ninja on a fresh
+                       # machine (minutes, seen with speculative decoding); these tests sample greedily anyway
+                       "VLLM_USE_FLASHINFER_SAMPLER": "0"})
     logging.basicConfig()
     logging.getLogger("attn_otel").setLevel(logging.INFO)
     import numpy as np
