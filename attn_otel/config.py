@@ -91,6 +91,12 @@ finishes a step while one of them holds the GIL, the loop waits up to this long 
 next step (measured on an H100: 0.6 s of 23.8 s idle on the mixed workload at Python's 5 ms).  ``0``: leave
 the process's interval alone.  Default ``0.2``."""
 
+ATTN_OTEL_FINISH_BATCH_STEPS = "ATTN_OTEL_FINISH_BATCH_STEPS"
+"""Engine steps a finished request's capture work may wait, to be done with other finished requests' in one
+batch (:mod:`attn_otel.deferred`): it is done sooner where vLLM gives one of the request's blocks to another
+request, where the engine goes idle, for a request planned for maps, or at 64 waiting.  ``0``: in the step the
+request finishes.  Default ``16``."""
+
 ATTN_OTEL_WRITER_TIMEOUT_S = "ATTN_OTEL_WRITER_TIMEOUT_S"
 """Seconds a writer process may take to answer for one capture before it is killed (the capture counted
 as ``store_error``) and a fresh one started for the next capture.  ``0`` (default): 12 S3 timeouts plus a
@@ -269,6 +275,7 @@ class Config:
     row_metrics: str = "maps"
     writer_timeout_s: float = 0.0
     gil_switch_ms: float = 0.2
+    finish_batch_steps: int = 16
     kv_write: str = "fused"
     view_url: str | None = None
 
@@ -301,6 +308,8 @@ class Config:
         values["writer_timeout_s"] = _number(env, ATTN_OTEL_WRITER_TIMEOUT_S, d.writer_timeout_s, float, 0.0,
                                              86400.0)
         values["gil_switch_ms"] = _number(env, ATTN_OTEL_GIL_SWITCH_MS, d.gil_switch_ms, float, 0.0, 100.0)
+        values["finish_batch_steps"] = _number(env, ATTN_OTEL_FINISH_BATCH_STEPS, d.finish_batch_steps, int, 0,
+                                               1024)
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)

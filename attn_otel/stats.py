@@ -15,7 +15,9 @@ import numpy as np
 logger = logging.getLogger("attn_otel")
 
 
-# the parts of the engine loop's time in attn-otel before a forward (Stats.step_parts)
+# the parts of the engine loop's time in attn-otel before a forward (Stats.step_parts): finished requests' token
+# ids and preempted requests' rows; finished requests' capture work, batched over steps (attn_otel.deferred: the
+# streamed layers' rows of them, then their captures); the step's tokens given rows
 STEP_PARTS = ("finished_rows", "captures", "schedule")
 
 

@@ -36,6 +36,8 @@ import logging
 import os
 import time
 
+from .deferred import DeferredFinish, flat_blocks
+
 logger = logging.getLogger("attn_otel")
 
 _PATCHED = False
@@ -820,6 +822,7 @@ def _install(runner, kv_cache_config) -> None:
                            attrs={"attention_impl": backend, "layer_kinds": _layer_kinds(runner, specs)}, parallel=par, stream=stream, map_layers=maps,
                            map_tap_rows=_map_tap_rows(config), block_sizes=block_sizes)
     engine.tracker = RequestTracker()
+    engine.deferred = DeferredFinish(config.finish_batch_steps)
     engine.shadow = None
     if shadowed:
         from .shadow import ShadowBlocks
@@ -1133,14 +1136,9 @@ def _track(runner, engine, so, t0: float) -> None:
         vision_positions=t.vision_positions, token_ids_device=device_ids, finish_reason=reasons.get(req_id))
         for (req_id, t), (outputs, device_ids) in zip(done, tokens)]
     preempted = list(getattr(so, "preempted_req_ids", None) or ())
-    maptap = engine.maptap
-    if stream is not None:
-        # Before this step's forward can reuse their blocks: rows of preempted and finished requests (and of
-        # any request sharing their prefix) are computed now, while their keys are still in the cache.
+    maptap, shadow = engine.maptap, engine.shadow
+    if stream is not None:  # before this step's forward can reuse their blocks: their rows are computed now
         stream.preempt(preempted)
-        stream.finish(so.finished_req_ids)
-    t1 = time.perf_counter()
-    parts["finished_rows"] += t1 - t0
     if maptap is not None:
         maptap.preempt(preempted)
     if preempted:  # their blocks go back to vLLM: a forward that writes one waits for the work reading them
@@ -1149,7 +1147,51 @@ def _track(runner, engine, so, t0: float) -> None:
             t = tracker.get(req_id)
             if t is not None:
                 side.taken_back(t.block_ids, seq)
-    shadow = getattr(engine, "shadow", None)
+    deferred = engine.deferred
+    deferred.add(so.finished_req_ids, finished, any(t.maps for _, t in done))
+    t1 = time.perf_counter()
+    parts["finished_rows"] += t1 - t0
+    scheduled = so.num_scheduled_tokens
+    items = []
+    fresh: list = []  # blocks this step's requests may write that no earlier step gave them (see deferred.py)
+    for new in so.scheduled_new_reqs:
+        sp = new.sampling_params
+        n = scheduled.get(new.req_id, 0)
+        t = tracker.add(new.req_id, new.prompt_token_ids, getattr(sp, "extra_args", None) if sp else None,
+                        new.block_ids, new.num_computed_tokens, n, _vision_positions(new))
+        items.append((new.req_id, t, int(new.num_computed_tokens), n))
+        if deferred:
+            fresh.extend(b[int(new.num_computed_tokens) // bs:] for b, bs in zip(new.block_ids, engine.block_sizes))
+    cached = so.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None) or set()
+    for i, req_id in enumerate(cached.req_ids):
+        n = scheduled.get(req_id, 0)
+        t = tracker.update(req_id, cached.new_block_ids[i], cached.num_computed_tokens[i], n, req_id in resumed)
+        if t is not None:
+            items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
+        if deferred and cached.new_block_ids[i] is not None:
+            fresh.extend(cached.new_block_ids[i])
+    if deferred.due(flat_blocks(fresh), not int(getattr(so, "total_num_scheduled_tokens", 1))):
+        _finish_batch(engine, *deferred.take())
+    t2 = time.perf_counter()
+    parts["captures"] += t2 - t1
+    if shadow is not None:  # first: the others read the requests' blocks there
+        shadow.schedule(items)
+    if stream is not None:
+        stream.schedule(items)
+    if maptap is not None:
+        maptap.schedule(items)
+    side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads
+    parts["schedule"] += time.perf_counter() - t2
+
+
+def _finish_batch(engine, req_ids: list[str], finished: list) -> None:
+    """Finished requests' capture work (held by ``engine.deferred`` up to now), before any forward can write
+    their blocks for another request: the streamed layers' pending rows of them (and of any request sharing
+    their prefix) computed while their keys are still in the cache, then their captures enqueued."""
+    stream, maptap, shadow, side = engine.stream, engine.maptap, engine.shadow, engine.side
+    if stream is not None:
+        stream.finish(req_ids)
     if shadow is not None and finished:  # a request that found no slot in attn-otel's own table is not captured
         kept = [f for f in finished if f.request_id not in shadow.lost]
         if len(kept) < len(finished):
@@ -1160,34 +1202,9 @@ def _track(runner, engine, so, t0: float) -> None:
             finished = kept
     if finished:
         engine.on_finished_many(finished)
-    if maptap is not None and so.finished_req_ids:  # their rows, once the gathers just enqueued have read them
-        maptap.release(so.finished_req_ids, side.mark())
+    if maptap is not None and req_ids:  # their rows, once the gathers just enqueued have read them
+        maptap.release(req_ids, side.mark())
     if stream is not None:
-        stream.forget(so.finished_req_ids)
+        stream.forget(req_ids)
     if shadow is not None:  # their blocks there: after the capture work above was recorded as reading them
-        shadow.release(list(so.finished_req_ids))
-    t2 = time.perf_counter()
-    parts["captures"] += t2 - t1
-    scheduled = so.num_scheduled_tokens
-    items = []
-    for new in so.scheduled_new_reqs:
-        sp = new.sampling_params
-        n = scheduled.get(new.req_id, 0)
-        t = tracker.add(new.req_id, new.prompt_token_ids, getattr(sp, "extra_args", None) if sp else None,
-                        new.block_ids, new.num_computed_tokens, n, _vision_positions(new))
-        items.append((new.req_id, t, int(new.num_computed_tokens), n))
-    cached = so.scheduled_cached_reqs
-    resumed = getattr(cached, "resumed_req_ids", None) or set()
-    for i, req_id in enumerate(cached.req_ids):
-        n = scheduled.get(req_id, 0)
-        t = tracker.update(req_id, cached.new_block_ids[i], cached.num_computed_tokens[i], n, req_id in resumed)
-        if t is not None:
-            items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
-    if shadow is not None:  # first: the others read the requests' blocks there
-        shadow.schedule(items)
-    if stream is not None:
-        stream.schedule(items)
-    if maptap is not None:
-        maptap.schedule(items)
-    side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads
-    parts["schedule"] += time.perf_counter() - t2
+        shadow.release(req_ids)

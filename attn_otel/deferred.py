@@ -1,0 +1,91 @@
+"""Finished requests' capture work, batched over a few engine steps instead of run in the step each finishes.
+
+A finished request's capture reads its KV-cache blocks (keys, values, per-slot metric rows) and, for the
+streamed layers, computes its pending rows first; all of that must be enqueued before any forward writes
+those blocks for another request.  vLLM hands a finished request's blocks back to its free queue, and it gives
+them out again only when it allocates them to a request, which the scheduler's output of that step says.  So
+the work can wait: :class:`DeferredFinish` keeps the finished requests of several steps, marks their blocks,
+and says when they must be taken (:meth:`DeferredFinish.due`):
+
+* a block of theirs is among the blocks this step gives a request to write (newly allocated, or past a new
+  request's cached prefix): vLLM is reusing it;
+* the step schedules no token: the engine is going idle, and nothing would come back to take them;
+* one of them was planned for maps (the map tap's fixed rows are needed back soon), or there are
+  ``max_requests`` of them, or the oldest has waited ``max_steps`` steps.
+
+Taking them all at once costs each step's fixed work (uploads, launches, the flush's bookkeeping) once per
+batch, not once per step that finishes a request (docs/benchmarks/overhead.md: the finish work was 5% of
+vLLM's engine-loop time under online load).  vLLM-free: the adapter feeds it block ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+
+class DeferredFinish:
+    def __init__(self, max_steps: int = 16, max_requests: int = 64) -> None:
+        self.max_steps = int(max_steps)
+        self.max_requests = int(max_requests)
+        self.req_ids: list[str] = []  # every finished id of the steps held (the per-id cleanups take them)
+        self.finished: list[Any] = []  # their FinishedRequest records (the ones with a capture to make)
+        self.maps = False  # one of them was planned for maps
+        self._held = np.zeros(1024, dtype=bool)  # by block id: a block of a held request
+        self._blocks: list[np.ndarray] = []
+        self._age = 0  # steps since the oldest held one finished
+        self.batches = 0  # batches taken (stats)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def add(self, req_ids: Iterable[str], finished: Sequence[Any], maps: bool = False) -> None:
+        """This step's finished ids, and the records of those with a capture to make (``block_ids`` per
+        KV-cache group)."""
+        ids = list(req_ids)
+        if not ids:
+            return
+        if not self.req_ids:
+            self._age = 0
+        self.req_ids.extend(ids)
+        self.finished.extend(finished)
+        self.maps = self.maps or maps
+        for f in finished:
+            blocks = flat_blocks(f.block_ids)
+            if blocks.size:
+                top = int(blocks.max())
+                if top >= self._held.shape[0]:
+                    grown = np.zeros(max(top + 1, 2 * self._held.shape[0]), dtype=bool)
+                    grown[: self._held.shape[0]] = self._held
+                    self._held = grown
+                self._held[blocks] = True
+                self._blocks.append(blocks)
+
+    def due(self, fresh: np.ndarray, idle: bool) -> bool:
+        """Whether the held requests must be taken before this step's forward: ``fresh`` are the block ids
+        this step's requests may write that no earlier step gave them; ``idle``: the step schedules no token."""
+        if not self.req_ids:
+            return False
+        self._age += 1
+        if idle or self.maps or len(self.finished) >= self.max_requests or self._age > self.max_steps:
+            return True
+        if fresh.size:
+            fresh = fresh[fresh < self._held.shape[0]]
+            return bool(self._held[fresh].any())
+        return False
+
+    def take(self) -> tuple[list[str], list[Any]]:
+        """Everything held, in finishing order; the blocks are no longer marked."""
+        ids, finished = self.req_ids, self.finished
+        for b in self._blocks:
+            self._held[b] = False
+        self.req_ids, self.finished, self._blocks, self.maps = [], [], [], False
+        self.batches += 1
+        return ids, finished
+
+
+def flat_blocks(block_lists: Iterable[Sequence[int]]) -> np.ndarray:
+    """Block ids of several lists as one int64 array."""
+    return np.fromiter(itertools.chain.from_iterable(block_lists), dtype=np.int64)

@@ -1,0 +1,101 @@
+"""attn-otel's time on vLLM's engine loop with finished requests' capture work batched over engine steps
+(``ATTN_OTEL_FINISH_BATCH_STEPS``: 16, the default) against done in the step each request finishes (0).
+
+Both phases in one call, one engine each (a subprocess), the same requests: SmolLM2 on vLLM's CPU build (or the
+CUDA vLLM where one is installed), ``ATTN_OTEL=1`` with its defaults, 160 requests with lognormal prompt and
+output lengths, half behind a shared 64-token system prompt (prefix-cache hits), 32 running at once, so that
+requests finish in most steps.  Reported per phase: attn-otel's host time before the forwards (``step_host_s``
+by part, ``step_times`` p50 / p99), the finish batches taken, the stream's flushes, captures and drops; and
+whether the greedy outputs are identical.  On the CPU build the forwards are slow and the stream's flushes run
+on the torch path, so the figures are host seconds of attn-otel's own work, not the GPU's online latency
+(``bench/overhead.py --online`` measures that).
+
+    python3 bench/finish_batch.py [--out docs/benchmarks/finish-batch-cpu.json] [--requests 160]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def phase(steps: int, n: int, out: Path) -> None:
+    """One engine (run in its own process): serve the requests, write the figures to ``out``."""
+    store = tempfile.mkdtemp(prefix="attn-otel-fb-")
+    os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_FINISH_BATCH_STEPS": str(steps),
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"})
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    from attn_otel import vllm_adapter
+    from attn_otel.smollm2 import ensure_smollm2
+
+    llm = LLM(model=str(ensure_smollm2()), skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=32,
+              max_num_batched_tokens=256, enable_prefix_caching=True, seed=0)
+    rng = np.random.default_rng(0)
+    system = rng.integers(100, 5000, 64).tolist()
+    prompts, params = [], []
+    for i in range(n):
+        own = rng.integers(100, 5000, int(np.clip(rng.lognormal(3.5, 0.6), 8, 300))).tolist()
+        prompts.append({"prompt_token_ids": (system + own) if i % 2 else own})
+        params.append(SamplingParams(max_tokens=int(np.clip(rng.lognormal(2.8, 0.7), 2, 96)), temperature=0.0,
+                                     ignore_eos=True, detokenize=False))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.step()
+    (engine,) = vllm_adapter.engines()
+    assert engine.flush(300), "captures not written within 300 s"
+    snap = engine.stats.snapshot(percentiles=True)
+    result = {"finish_batch_steps": steps, "requests": n, "steps": snap["step_times"]["n"],
+              "step_host_s": snap["step_host_s"], "step_host_s_total": round(sum(snap["step_host_s"].values()), 4),
+              "step_times_ms": {q: round(snap["step_times"][q] * 1e3, 3) for q in ("p50", "p90", "p99")},
+              "finish_batches": engine.deferred.batches,
+              "stream_flushes": engine.stream.flushes if engine.stream is not None else None,
+              "captured": snap["captured"], "dropped": snap["dropped"],
+              "outputs": [list(o.outputs[0].token_ids) for o in outs]}
+    out.write_text(json.dumps(result))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="docs/benchmarks/finish-batch-cpu.json")
+    ap.add_argument("--requests", type=int, default=160)
+    ap.add_argument("--phase", type=int, help=argparse.SUPPRESS)  # internal: one engine, in a subprocess
+    ap.add_argument("--phase-out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.phase is not None:
+        phase(a.phase, a.requests, Path(a.phase_out))
+        return
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for steps in (0, 16):
+            out = Path(tmp) / f"{steps}.json"
+            print(f"phase ATTN_OTEL_FINISH_BATCH_STEPS={steps} ...", file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, __file__, "--phase", str(steps), "--phase-out", str(out),
+                            "--requests", str(a.requests)], check=True, stdout=subprocess.DEVNULL)
+            got[steps] = json.loads(out.read_text())
+    import platform
+
+    import vllm
+
+    same = got[0].pop("outputs") == got[16].pop("outputs")
+    report = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs", "vllm_version": vllm.__version__,
+              "outputs_identical": same, "phases": {"immediate (0)": got[0], "batched (16)": got[16]},
+              "ratio_step_host_s": round(got[16]["step_host_s_total"] / max(got[0]["step_host_s_total"], 1e-9), 3),
+              "ratio_captures_part": round(got[16]["step_host_s"]["captures"]
+                                           / max(got[0]["step_host_s"]["captures"], 1e-9), 3)}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "phases"}, indent=1))
+    for name, r in report["phases"].items():
+        print(f"{name}: host {r['step_host_s_total']} s over {r['steps']} steps {r['step_host_s']}, step p50/p99 "
+              f"{r['step_times_ms']['p50']}/{r['step_times_ms']['p99']} ms, {r['finish_batches']} finish batches, "
+              f"{r['stream_flushes']} flushes, {r['captured']} captured, dropped {r['dropped']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""attn_otel.deferred: when finished requests' capture work, held over a few engine steps, must be taken."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from attn_otel.deferred import DeferredFinish, flat_blocks
+
+
+def fin(*groups):
+    return SimpleNamespace(block_ids=[list(g) for g in groups])
+
+
+def none():
+    return np.zeros(0, dtype=np.int64)
+
+
+def test_nothing_held_is_never_due():
+    d = DeferredFinish(max_steps=4)
+    assert not d.due(np.array([1, 2, 3]), idle=True) and len(d) == 0
+
+
+def test_held_until_one_of_their_blocks_is_given_out_again():
+    d = DeferredFinish(max_steps=16)
+    d.add(["a", "b"], [fin([3, 4], [9]), fin([7])])
+    assert not d.due(none(), idle=False)
+    assert not d.due(np.array([1, 2, 5, 8, 100_000]), idle=False)  # others' blocks, one past the mark table
+    assert d.due(np.array([2, 9]), idle=False)  # a block of a's second KV-cache group
+    ids, finished = d.take()
+    assert ids == ["a", "b"] and [f.block_ids for f in finished] == [[[3, 4], [9]], [[7]]]
+    assert len(d) == 0 and d.batches == 1
+    d.add(["c"], [fin([1])])
+    assert not d.due(np.array([3, 4, 7, 9]), idle=False)  # a's and b's blocks are no longer marked
+
+
+def test_the_finished_ids_without_a_capture_are_kept_for_the_cleanups():
+    d = DeferredFinish()
+    d.add(["warm", "a"], [fin([1])])
+    assert d.take()[0] == ["warm", "a"]
+
+
+@pytest.mark.parametrize("why", ["idle", "maps", "age", "count"])
+def test_taken_when_the_engine_goes_idle_for_maps_when_old_or_when_many(why):
+    d = DeferredFinish(max_steps=3, max_requests=5)
+    d.add(["a"], [fin([1])], maps=why == "maps")
+    if why == "count":
+        d.add([f"r{i}" for i in range(4)], [fin([10 + i]) for i in range(4)])
+    due = [d.due(none(), idle=why == "idle") for _ in range(4)]
+    want = {"idle": [True] * 4, "maps": [True] * 4, "count": [True] * 4, "age": [False, False, False, True]}[why]
+    assert due == want
+
+
+def test_age_counts_from_the_oldest_held_request():
+    d = DeferredFinish(max_steps=2)
+    d.add(["a"], [fin([1])])
+    assert not d.due(none(), False)
+    d.add(["b"], [fin([2])])  # a later finish does not restart the clock
+    assert not d.due(none(), False)
+    assert d.due(none(), False)
+    d.take()
+    d.add(["c"], [fin([3])])  # a new batch does
+    assert not d.due(none(), False)
+
+
+def test_zero_steps_means_in_the_step_it_finishes():
+    d = DeferredFinish(max_steps=0)
+    d.add(["a"], [fin([1])])
+    assert d.due(none(), idle=False)
+
+
+def test_block_ids_beyond_the_mark_table_grow_it():
+    d = DeferredFinish()
+    d.add(["a"], [fin([5000])])
+    assert d.due(np.array([5000]), idle=False)
+
+
+def test_flat_blocks():
+    assert flat_blocks([[1, 2], [], [3]]).tolist() == [1, 2, 3] and flat_blocks([]).dtype == np.int64
