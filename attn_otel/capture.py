@@ -3,8 +3,8 @@ feeds it tensors and request views, so it is tested without an engine as well as
 
 Data goes one way::
 
-    device capture        stream.MetricsStream (plain layers), tap.MapTap (their queries, for the requests
-                          planned for maps), tap.QKTap (layers with terms the stream lacks), written in-graph
+    device capture        stream.MetricsStream (every layer but windowed ones), tap.MapTap (their queries, for
+                          the requests planned for maps), tap.QKTap (windowed and chunked layers), in-graph
     -> finish             plan.Planner decides each finished request's capture, then either
                           finish.BatchedMetrics (GPU, metrics only: a few launches on the engine loop) or
                           compute.ComputeThread (maps, and the CPU: a thread of its own)
@@ -124,17 +124,23 @@ class CaptureEngine:
             return
         t0 = time.perf_counter()
         try:
-            launches = triton_metrics.warm_up_summaries(self.device)
+            # rows of 8 metrics where a layer has learned sinks (learned_sink_mass), else 7
+            sinks = any(s.sinks is not None for s in self.layers)
+            launches = triton_metrics.warm_up_summaries(self.device, (7, 8) if sinks else (7,))
             if self.stream is not None:
                 launches += self.stream.warm_up()
-            tapped = [s for s in self.layers if s.index not in self.streamed and s.plain]
-            if tapped:
-                spec = tapped[0]
+            # one kernel variant per set of attention terms (window or chunk, soft-cap, sinks) of tapped layers
+            variants: dict = {}
+            for s in self.layers:
+                if s.index not in self.streamed:
+                    t = triton_metrics.terms([s], self.device)
+                    variants.setdefault(None if t is None else (t.local, t.has_cap, t.sinks is not None), (s, t))
+            for spec, terms in variants.values():
                 slots = torch.zeros(1, dtype=torch.int64, device=self.device)
                 cu = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
                 prompt = torch.ones(1, dtype=torch.int32, device=self.device)  # its own (aligned) allocation
                 triton_metrics.row_metrics_slots(self.tap.q[spec.index], self.tap.k[spec.index], slots, cu, prompt,
-                                                 1, spec.scale, self.config.sink_tokens)
+                                                 1, spec.scale, self.config.sink_tokens, terms=terms)
                 launches += 1
             torch.cuda.synchronize(self.device)
             logger.info("attn-otel: %d metric kernel variants ready in %.1f s", launches, time.perf_counter() - t0)
@@ -190,9 +196,9 @@ class CaptureEngine:
                 plan = self.planner.plan(req)
                 if plan is None:
                     continue
-                # batched with the step's others; layers with a window, soft-cap or sinks (terms the Triton
-                # kernels lack) go to the compute thread's torch path
-                if not plan.want_maps and self._fused and plan.plain:
+                # batched with the step's others (the Triton kernels have every attention term: windows,
+                # soft-caps, sinks, chunks); maps go to the compute thread
+                if not plan.want_maps and self._fused:
                     if self.batched.admit(plan):
                         batch.append(plan)
                     continue

@@ -233,9 +233,10 @@ class ComputeThread:
                                                                             non_blocking=cuda)
                     continue
                 q, k = qk
-                if fused and spec.plain:  # one launch per layer instead of a band loop (see docs/benchmarks/overhead.md)
+                if fused:  # one launch per layer instead of a band loop (see docs/benchmarks/overhead.md)
                     res = triton_metrics.row_metrics(q[None], k[None], spec.scale, rec.prompt_len,
-                                                     self.config.sink_tokens, vision)
+                                                     self.config.sink_tokens, vision,
+                                                     terms=triton_metrics.terms([spec], self.device))
                     per_row_host[: res.shape[1], li, : spec.num_heads].copy_(res[0], non_blocking=True)
                     continue
                 maps_dev = None

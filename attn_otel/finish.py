@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import KERNEL_METRICS
+from .attention import KERNEL_METRICS, METRICS
 from .config import Config
 from .handoff import ByteBudget, Handoff, Job
 from .plan import Plan, Planner
@@ -112,6 +112,8 @@ class BatchedMetrics:
                  device: torch.device):
         self.config = config
         self.layers = list(layers)
+        # metric rows per layer: the learned sink mass is a row of its own where some layer has learned sinks
+        self.width = len(METRICS) if any(s.sinks is not None for s in self.layers) else len(KERNEL_METRICS)
         self.tap = tap
         self.stream = stream
         self.streamed = frozenset(stream.pos) if stream is not None else frozenset()
@@ -128,7 +130,7 @@ class BatchedMetrics:
         """Reserve the device bytes of ``plan``'s rows (or summary); False: dropped and counted."""
         L = len(plan.layers)
         H = max(s.num_heads for s in plan.layers)
-        plan.device = plan.nbytes if plan.summarised else len(KERNEL_METRICS) * L * H * plan.T * 4
+        plan.device = plan.nbytes if plan.summarised else self.width * L * H * plan.T * 4
         if not self.device_budget.reserve(plan.device):
             self.handoff.release(plan.nbytes)
             self.stats.add("dropped", reason="device_queue_full")
@@ -142,7 +144,7 @@ class BatchedMetrics:
         chunks = [batch]
         if self.config.row_metrics != "all":
             # Rows summarised here: the [L, 7, H, sum T] rows are transient; bound them per launch.
-            per_token = len(self.layers) * len(KERNEL_METRICS) * max(s.num_heads for s in self.layers) * 4
+            per_token = len(self.layers) * self.width * max(s.num_heads for s in self.layers) * 4
             chunks, size = [[]], 0
             for plan in batch:
                 if chunks[-1] and size + plan.T * per_token > FINISH_CHUNK_BYTES:
@@ -206,15 +208,15 @@ class BatchedMetrics:
         # Rows of the tapped layers, computed now; with rows summarised here only those layers are in ``out``
         # (the streamed layers' float16 rows are summarised where they are, in float16).
         out_layers = tapped if summarise else list(range(len(layers)))
-        out = torch.full((len(out_layers), len(KERNEL_METRICS), H, total), float("nan"), dtype=torch.float32,
-                         device=dev)
+        out = torch.full((len(out_layers), self.width, H, total), float("nan"), dtype=torch.float32, device=dev)
         for oi, li in enumerate(out_layers):
             spec = layers[li]
             if spec.index in self.streamed:
                 continue
             triton_metrics.row_metrics_slots(
                 self.tap.q[spec.index], self.tap.k[spec.index], slots_dev[spec.group], cu_dev, prompt_dev,
-                max(Ts), spec.scale, self.config.sink_tokens, vision_dev, out=out[oi, :, : spec.num_heads])
+                max(Ts), spec.scale, self.config.sink_tokens, vision_dev, out=out[oi, :, : spec.num_heads],
+                terms=triton_metrics.terms([spec], dev))
         got = None
         if streamed:  # computed while the requests ran: one gather by slot for every streamed layer
             st = self.stream
@@ -245,7 +247,7 @@ class BatchedMetrics:
         else:
             if got is not None:
                 idx = up(np.asarray(streamed, dtype=np.int64))
-                out[:, :, : got.shape[2]].index_copy_(0, idx, got.float())
+                out[:, : got.shape[1], : got.shape[2]].index_copy_(0, idx, got.float())
             host = torch.empty(out.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(out, non_blocking=True)
         tok_host = {}

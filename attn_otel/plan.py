@@ -42,11 +42,6 @@ class Plan:
     summarised: bool  # ``nbytes`` is a summary's, not per-row metrics' (decided before any maps fallback)
     device: int = 0  # device bytes the batched path reserved
 
-    @property
-    def plain(self) -> bool:
-        """Every layer has only the terms the Triton kernels implement (see :attr:`LayerSpec.plain`)."""
-        return all(s.plain for s in self.layers)
-
 
 class Planner:
     """Decides each finished request's capture (``plan``) and builds its record (``record``)."""
@@ -139,9 +134,7 @@ class Planner:
             return None
         H = max(s.num_heads for s in layers)
         L = len(layers)
-        # Layers with a window, soft-cap or sinks go through the compute thread's torch path (exact), whose
-        # rows leave the device: never summarised there.
-        summarised = self.summarised(want_maps) and all(s.plain for s in layers)
+        summarised = self.summarised(want_maps)
         if summarised:  # only its summary leaves the device (see attn_otel.finish)
             nbytes = 2 * len(METRICS) * 4 * L * H * 4
         else:

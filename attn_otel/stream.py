@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import KERNEL_METRICS, attention_metrics
+from .attention import KERNEL_METRICS, METRICS, attention_metrics
 from .slots import slots_many, slots_of, upload, upload_many
 
 logger = logging.getLogger("attn_otel")
@@ -233,7 +233,7 @@ class MetricsStream:
         self.device = torch.device(device)
         self.side = side if side is not None else Side(self.device)  # flushes run beside the forwards
         self.q = torch.zeros((L, R + 1, H, D), dtype=dtype, device=device)  # row R absorbs padded tokens
-        self.metrics = torch.full((L, S + 1, len(KERNEL_METRICS), H), float("nan"), dtype=torch.float16,
+        self.metrics = torch.full((L, S + 1, metric_width(self.layers), H), float("nan"), dtype=torch.float16,
                                   device=device)
         self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)  # slot S: padding
         key_caches = key_caches or {}
@@ -269,12 +269,13 @@ class MetricsStream:
     # ------------------------------------------------------------------ sizes
     @staticmethod
     def bytes_per_token(layers: Sequence[Any], keys_from_cache: bool, dtype: torch.dtype) -> int:
-        """Per KV-cache token: the metrics buffer, the slot table entry, and the K tap when keys are not
-        read from vLLM's cache."""
+        """Per KV-cache token: the metrics buffer, the slot table entry, and the K tap of the layers whose keys
+        are not read from vLLM's cache (all where ``keys_from_cache`` is false; windowed and chunked layers
+        always: vLLM frees their blocks while a request runs)."""
         size = torch.empty((), dtype=dtype).element_size()
-        per = sum(len(KERNEL_METRICS) * s.num_heads * 2 for s in layers) + 8
-        if not keys_from_cache:
-            per += sum(s.num_kv_heads * s.head_dim * size for s in layers)
+        per = sum(metric_width(layers) * s.num_heads * 2 for s in layers) + 8
+        per += sum(s.num_kv_heads * s.head_dim * size for s in layers
+                   if not keys_from_cache or getattr(s, "local", False))
         return per
 
     @staticmethod
@@ -495,8 +496,15 @@ class MetricsStream:
 
     # ------------------------------------------------------------------ at finish
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Per-row metrics of every streamed layer at these slots: ``[layers, len(slots), 7, Hq]`` float16."""
+        """Per-row metrics of every streamed layer at these slots: ``[layers, len(slots), 7, Hq]`` float16
+        (``[.., 8, Hq]`` where a streamed layer has learned sinks: :func:`metric_width`)."""
         return self.metrics.index_select(1, slots)
+
+
+def metric_width(layers: Sequence[Any]) -> int:
+    """Metric rows the per-slot buffer keeps per token: the kernels' seven, and the learned sink mass where a
+    streamed layer has learned sinks (gpt-oss)."""
+    return len(METRICS) if any(getattr(s, "sinks", None) is not None for s in layers) else len(KERNEL_METRICS)
 
 
 def keys_at(keys: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -522,6 +530,10 @@ class FlushKernels:
         self.sink_tokens = sink_tokens
         self.device = device
         self.fused = triton_metrics.available(device, [s.head_dim for s in layers])
+        # the layers' attention terms (soft-cap, sinks), per layer in a launch of every layer, else each own
+        self.terms = triton_metrics.terms(layers, device) if self.fused else None
+        self._own_terms = {s.index: triton_metrics.terms([s], device) for s in layers} if self.fused else {}
+        self.width = metric_width(layers)
         # one launch for every layer where their keys allow it (vLLM's per-layer caches: one shape and dtype)
         self._layered = None
         if self.fused and len({s.scale for s in layers}) == 1:
@@ -552,13 +564,14 @@ class FlushKernels:
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
                 self.q, rows_d, cu_rows_d, first_d, caches, offs, keys_d, cu_keys_d, prompt_d, max(counts),
-                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics)
+                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics, terms=self.terms)
         else:
             for spec in self.layers:
                 li = self.pos[spec.index]
                 triton_metrics.row_metrics_stream(
                     self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
-                    max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li])
+                    max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li],
+                    terms=self._own_terms[spec.index])
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -590,7 +603,7 @@ class FlushKernels:
                 q[a:end] = self.q[li].index_select(0, rows)  # rows before a are never read
                 res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a,
                                         **spec.terms(self.device))
-                rows_m = res[: len(KERNEL_METRICS), :, a:end]  # streamed layers are plain: no learned sink
+                rows_m = res[: self.width, :, a:end]  # the learned sink mass too where a layer has sinks
                 self.metrics[li].index_copy_(0, out_slots, rows_m.permute(2, 0, 1).to(torch.float16))
 
     def warm_up(self, pad_row: int) -> int:
@@ -610,11 +623,11 @@ class FlushKernels:
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
                 self.q, rows_d, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, 1, self.layers[0].scale,
-                self.sink_tokens, None, None, self.metrics)
+                self.sink_tokens, None, None, self.metrics, terms=self.terms)
         else:
             spec = self.layers[0]
             triton_metrics.row_metrics_stream(
                 self.q[0], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
-                self.sink_tokens, None, None, self.metrics[0])
+                self.sink_tokens, None, None, self.metrics[0], terms=self._own_terms[spec.index])
         self.metrics[:, 0].fill_(float("nan"))
         return 1

@@ -49,9 +49,14 @@ class LayerSpec:
 
     @property
     def plain(self) -> bool:
-        """No window, soft-cap, sinks or chunks: the terms the Triton kernels implement (the torch path does
-        all)."""
+        """No window, soft-cap, sinks or chunks."""
         return not self.window and not self.soft_cap and self.sinks is None and not self.chunk
+
+    @property
+    def local(self) -> bool:
+        """A sliding window or chunked local attention: keys fall out of the layer's view while the request
+        runs (and vLLM frees their blocks), so it keeps the Q/K tap instead of being streamed."""
+        return bool(self.window or self.chunk)
 
     def terms(self, device) -> dict:
         """The keyword arguments of :func:`attn_otel.attention.attention_metrics` for this layer's terms (the

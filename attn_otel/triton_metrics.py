@@ -15,6 +15,9 @@ bf16/fp16 Q and K, like the attention kernels vLLM runs.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 import torch
 
@@ -37,9 +40,9 @@ if triton is not None:
 
     @triton.jit
     def _tile(q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-              m_i, l_i, h1, vis, ctx, gen,
-              HAS_VISION: tl.constexpr, MASKED: tl.constexpr, CTX: tl.constexpr,
-              D: tl.constexpr, D2: tl.constexpr, BLOCK_N: tl.constexpr):
+              m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
+              HAS_VISION: tl.constexpr, MASKED: tl.constexpr, CTX: tl.constexpr, LOCAL: tl.constexpr,
+              HAS_CAP: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_N: tl.constexpr):
         # One tile of BLOCK_N keys against the program's rows, folded into the online sums (base 2: s is the
         # logit times log2(e), every sum is relative to the running max m_i and rescaled when it grows).
         # m_i starts at -1e30, not -inf, so the first tile needs no case of its own (alpha = 0, and
@@ -48,6 +51,9 @@ if triton is not None:
         # MASKED: the tile may hold keys after a row (causal) or past T; else every key is <= every row.
         # CTX: 0 every key is at or after the prompt (generated), 1 every key is in the prompt, 2 either.
         # D2 > 0: a head_dim of D + D2 (both powers of two, e.g. MLA's 512 + 64), q2 the query's last D2.
+        # LOCAL (a sliding window or chunked local attention; MASKED too): row i sees keys lo_r[i] .. i only;
+        # the visible image keys are counted in vcnt.  HAS_CAP: logits soft-capped, cap * tanh(s * scale / cap)
+        # where cap > 0, then c = log2(e) takes them to base 2.
         cols = kstart + tl.arange(0, BLOCK_N)
         dd = tl.arange(0, D)
         if MASKED:
@@ -63,7 +69,12 @@ if triton is not None:
             d2 = D + tl.arange(0, D2)
             kt2 = tl.load(K + koff + kaddr[:, None] + d2[None, :], mask=(cols < T)[:, None], other=0.0).to(q.dtype)
             s += tl.dot(q2, tl.trans(kt2))
-        if MASKED:
+        if HAS_CAP:
+            s = _soft_cap(s * scale, cap)
+        if LOCAL:
+            s = tl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & (cols[None, :] >= lo_r[:, None]),
+                         s, -1e30)
+        elif MASKED:
             s = tl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] < T), s, -1e30)
         m_new = tl.maximum(m_i, tl.max(s, 1) * c)
         alpha = tl.exp2(m_i - m_new)
@@ -89,14 +100,26 @@ if triton is not None:
         if HAS_VISION:
             vm = tl.load(VM + kstart0 + cols, mask=cols < T, other=0.0)
             vis = vis * alpha + tl.sum(e * vm[None, :], 1)
-        return m_new, l_i, h1, vis, ctx, gen
+            if LOCAL:
+                seen = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= lo_r[:, None])
+                vcnt += tl.sum(tl.where(seen, vm[None, :], 0.0), 1)
+        return m_new, l_i, h1, vis, ctx, gen, vcnt
+
+    @triton.jit
+    def _soft_cap(x, cap):
+        # cap * tanh(x / cap) where cap > 0 (x where not: a layer without a cap in a launch of several), as
+        # 1 - 2 / (exp(2y) + 1): no tanh in every Triton backend (the interpreter's included).
+        y = x / tl.where(cap > 0, cap, 1.0)
+        t = 1.0 - 2.0 / (tl.exp(tl.minimum(tl.maximum(2.0 * y, -60.0), 60.0)) + 1.0)  # tanh(30) is 1 in fp32
+        return tl.where(cap > 0, cap * t, x)
 
     # Output strides are not specialised on (they vary with a launch's row count: a variant per divisibility
     # would compile mid-serving); Q and K strides are fixed per engine and are.
     @triton.jit(do_not_specialize=["KS", "BS", "HEADS", "GROUP", "NHG", "so_l", "so_r", "so_m", "so_h"])
-    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, KS, scale, BS, HEADS, GROUP, NHG,
-                     sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
+    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, WINP, CHP, CAPP, SINKP, KS, scale, BS,
+                     HEADS, GROUP, NHG, sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
                      HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, LAYERED: tl.constexpr,
+                     LOCAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
                      HG: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_N: tl.constexpr):
         # Request b: its query rows are positions A[b] .. A[b] + n - 1 (n = CUQ[b+1] - CUQ[b]), read from Q
@@ -107,8 +130,14 @@ if triton is not None:
         # once for all of them (GQA).
         # LAYERED: several layers in one launch, program_id(1) = layer * NHG + head group; a layer's Q and OUT
         # are sq_l and so_l elements on, its keys KOFF[layer] elements from K (each layer's own cache).
+        # The model's attention terms, per layer (index 0 unless LAYERED): LOCAL, a sliding window WINP[layer]
+        # (row i sees keys i - W + 1 .. i; 0: none) and chunked local attention CHP[layer] (keys C * (i // C) ..
+        # i; 0: none); HAS_CAP, a logit soft-cap CAPP[layer] (0: none); HAS_SINKS, a learned sink logit per
+        # query head, SINKP[layer * NHG * HEADS + head], in the softmax's denominator: the keys' probabilities
+        # then sum to 1 - its share, stored as an eighth metric (learned_sink_mass).
         pid_m = tl.program_id(0)
         b = tl.program_id(2)
+        layer = 0
         if LAYERED:
             layer = tl.program_id(1) // NHG
             h0 = (tl.program_id(1) % NHG) * HEADS
@@ -130,7 +159,8 @@ if triton is not None:
         i = tl.arange(0, BLOCK_M)
         hh = h0 + i // BLOCK_R
         local = pid_m * BLOCK_R + i % BLOCK_R
-        row_ok = (local < n) & (i // BLOCK_R < HEADS)
+        head_ok = i // BLOCK_R < HEADS
+        row_ok = (local < n) & head_ok
         rows = a + local
         dd = tl.arange(0, D)
         qrow = tl.load(QR + qstart + local, mask=row_ok, other=0)
@@ -140,9 +170,27 @@ if triton is not None:
                          mask=row_ok[:, None], other=0.0)
         else:
             q2 = q
-        c = scale * 1.4426950408889634  # logits in base 2
+        LOG2E: tl.constexpr = 1.4426950408889634
+        cap = 0.0
+        if HAS_CAP:  # capped in natural units (s * scale), then to base 2
+            cap = tl.load(CAPP + layer)
+            c = LOG2E
+        else:
+            c = scale * LOG2E  # logits in base 2
         r0 = a + pid_m * BLOCK_R  # the block's first row
         hi = tl.minimum(r0 + BLOCK_R, T)  # keys needed: up to the block's last row
+        # first visible key of each row (0 unless LOCAL) and of the block's first row, the block's least
+        lo_r = tl.zeros([BLOCK_M], tl.int32)
+        lo0 = r0 * 0
+        if LOCAL:
+            win = tl.load(WINP + layer)
+            chk = tl.load(CHP + layer)
+            wpos = tl.where(win > 0, win, 1)
+            cpos = tl.where(chk > 0, chk, 1)
+            lo_r = tl.where(win > 0, tl.maximum(rows - wpos + 1, 0), lo_r)
+            lo_r = tl.where(chk > 0, tl.maximum(lo_r, rows // cpos * cpos), lo_r)
+            lo0 = tl.where(win > 0, tl.maximum(r0 - wpos + 1, 0), lo0)
+            lo0 = tl.where(chk > 0, tl.maximum(lo0, r0 // cpos * cpos), lo0)
         lo = (r0 + 1) // BLOCK_N * BLOCK_N  # [0, lo): keys at or before every row
         nf = tl.minimum(N // BLOCK_N * BLOCK_N, lo)  # [0, nf): prompt keys only
         nc = tl.minimum(tl.maximum(tl.cdiv(N, BLOCK_N) * BLOCK_N, nf), lo)  # [nf, nc): the prompt's end
@@ -153,25 +201,40 @@ if triton is not None:
         vis = tl.zeros([BLOCK_M], tl.float32)
         ctx = tl.zeros([BLOCK_M], tl.float32)
         gen = tl.zeros([BLOCK_M], tl.float32)
-        # Loops with no branch inside (a branch per tile costs the loop its software pipelining): the diagonal
-        # tiles are masked; the tiles before them are not, and only the one holding the prompt's end sorts
-        # keys into prompt and generated.
-        for kstart in range(0, nf, BLOCK_N):
-            m_i, l_i, h1, vis, ctx, gen = _tile(
-                q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 1, D, D2, BLOCK_N)
-        for kstart in range(nf, nc, BLOCK_N):
-            m_i, l_i, h1, vis, ctx, gen = _tile(
-                q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 2, D, D2, BLOCK_N)
-        for kstart in range(nc, lo, BLOCK_N):
-            m_i, l_i, h1, vis, ctx, gen = _tile(
-                q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, False, 0, D, D2, BLOCK_N)
-        for kstart in range(lo, hi, BLOCK_N):
-            m_i, l_i, h1, vis, ctx, gen = _tile(
-                q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
-                m_i, l_i, h1, vis, ctx, gen, HAS_VISION, True, 2, D, D2, BLOCK_N)
+        vcnt = tl.zeros([BLOCK_M], tl.float32)
+        if LOCAL:
+            # Every tile masked, from the one holding the block's first visible key: a window or chunk bounds
+            # the keys, so the loop is short.  A row's tiles before its own first key add e = 0 (its max is
+            # still -1e30, as every logit there).
+            for kstart in range(lo0 // BLOCK_N * BLOCK_N, hi, BLOCK_N):
+                m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
+                    HAS_VISION, True, 2, True, HAS_CAP, D, D2, BLOCK_N)
+        else:
+            # Loops with no branch inside (a branch per tile costs the loop its software pipelining): the
+            # diagonal tiles are masked; the tiles before them are not, and only the one holding the prompt's
+            # end sorts keys into prompt and generated.
+            for kstart in range(0, nf, BLOCK_N):
+                m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
+                    HAS_VISION, False, 1, False, HAS_CAP, D, D2, BLOCK_N)
+            for kstart in range(nf, nc, BLOCK_N):
+                m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
+                    HAS_VISION, False, 2, False, HAS_CAP, D, D2, BLOCK_N)
+            for kstart in range(nc, lo, BLOCK_N):
+                m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
+                    HAS_VISION, False, 0, False, HAS_CAP, D, D2, BLOCK_N)
+            for kstart in range(lo, hi, BLOCK_N):
+                m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
+                    HAS_VISION, True, 2, False, HAS_CAP, D, D2, BLOCK_N)
         # The sink sums, once the max is final: the first KS keys again, in tiles of 16 (not a running sum
         # carried through every tile; rows before KS get NaN, so every sink key here is at or before its row).
         s0 = tl.zeros([BLOCK_M], tl.float32)
@@ -187,13 +250,31 @@ if triton is not None:
                 kt2 = tl.load(K + koff + kaddr[:, None] + D + tl.arange(0, D2)[None, :], mask=ok[:, None],
                               other=0.0).to(q.dtype)
                 sl += tl.dot(q2, tl.trans(kt2))
+            if HAS_CAP:
+                sl = _soft_cap(sl * scale, cap)
             e = tl.exp2(sl * c - m_i[:, None])
-            e = tl.where(ok[None, :] & (cols[None, :] <= rows[:, None]), e, 0.0)
+            e = tl.where(ok[None, :] & (cols[None, :] <= rows[:, None]) & (cols[None, :] >= lo_r[:, None]), e, 0.0)
             s0 += tl.sum(tl.where(cols[None, :] == 0, e, 0.0), 1)
             sk += tl.sum(e, 1)
-        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
-        # entropy in nats: ln l - ln2 * sum e (s - m) / l, the sums in base 2
-        ent = tl.maximum(tl.log(tl.where(l_i > 0, l_i, 1.0)) - 0.6931471805599453 * h1 * inv, 0.0)
+        if HAS_SINKS:
+            # the sink's logit joins the denominator: every sum is taken to the max of it and the keys' (mf),
+            # so that a sink far above the keys overflows nothing; the keys' entropy, -sum_j p_j ln p_j with
+            # p_j = e_j / Z, is (l / Z) ln Z - ln 2 * h1 / Z there.
+            snk = tl.load(SINKP + layer * (NHG * HEADS) + hh, mask=head_ok, other=0.0) * LOG2E
+            mf = tl.maximum(m_i, snk)
+            alpha = tl.exp2(m_i - mf)
+            es = tl.exp2(snk - mf)
+            lk = l_i * alpha
+            hk = alpha * (h1 + (m_i - mf) * l_i)
+            z = lk + es
+            ent = tl.maximum(lk / z * tl.log(z) - 0.6931471805599453 * hk / z, 0.0)
+            inv = alpha / z
+            learned = es / z
+        else:
+            inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
+            # entropy in nats: ln l - ln2 * sum e (s - m) / l, the sums in base 2
+            ent = tl.maximum(tl.log(tl.where(l_i > 0, l_i, 1.0)) - 0.6931471805599453 * h1 * inv, 0.0)
+            learned = inv
         s0 = s0 * inv
         sk = sk * inv
         ctx = ctx * inv
@@ -201,6 +282,7 @@ if triton is not None:
         vis = vis * inv
         nan = float("nan")
         rf = rows.to(tl.float32)
+        nvis = rf + 1.0 - lo_r.to(tl.float32)  # visible keys
         if OUT_BY_SLOT:  # a per-slot buffer [slots, 7, H]: row i goes to its own key slot
             orow = tl.load(KSL + kstart0 + rows, mask=row_ok, other=0)
         else:
@@ -208,24 +290,30 @@ if triton is not None:
         base = OUT + hh * so_h + orow * so_r
         ty = OUT.dtype.element_ty
         tl.store(base + 0 * so_m, ent.to(ty), mask=row_ok)
-        tl.store(base + 1 * so_m, tl.where(rows > 0, ent / tl.log(tl.maximum(rf + 1.0, 2.0)), nan).to(ty),
+        tl.store(base + 1 * so_m, tl.where(nvis > 1.0, ent / tl.log(tl.maximum(nvis, 2.0)), nan).to(ty),
                  mask=row_ok)
-        tl.store(base + 2 * so_m, tl.where(rows >= KS, s0, nan).to(ty), mask=row_ok)
-        tl.store(base + 3 * so_m, tl.where(rows >= KS, sk, nan).to(ty), mask=row_ok)
+        tl.store(base + 2 * so_m, tl.where((rows >= KS) & (lo_r == 0), s0, nan).to(ty), mask=row_ok)
+        tl.store(base + 3 * so_m, tl.where((rows >= KS) & (lo_r < tl.maximum(KS, 1)), sk, nan).to(ty), mask=row_ok)
         if HAS_VISION:
             vc = tl.load(VC + qstart + local, mask=row_ok, other=0.0)
+            if LOCAL:
+                vc = vcnt
             tl.store(base + 4 * so_m, tl.where(vc > 0, vis, nan).to(ty), mask=row_ok)
-            tl.store(base + 5 * so_m, tl.where(vc > 0, vis / tl.maximum(vc / (rf + 1.0), 1e-30), nan).to(ty),
+            tl.store(base + 5 * so_m, tl.where(vc > 0, vis / tl.maximum(vc / nvis, 1e-30), nan).to(ty),
                      mask=row_ok)
         else:
             tl.store(base + 4 * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
             tl.store(base + 5 * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
         nf32 = N * 1.0
-        ctxm = ctx / tl.maximum(nf32, 1.0)
-        genm = gen / tl.maximum(rf - nf32 + 1.0, 1.0)  # keys N..i: i - N + 1 of them
+        lof = lo_r.to(tl.float32)
+        n_ctx = tl.maximum(nf32 - lof, 0.0)  # visible prompt keys
+        ctxm = ctx / tl.maximum(n_ctx, 1.0)
+        genm = gen / tl.maximum(rf - tl.maximum(lof, nf32) + 1.0, 1.0)  # keys max(lo, N)..i
         tot = ctxm + genm
-        lb_ok = (rows >= N) & (N > 0) & (tot > 0)
+        lb_ok = (rows >= N) & (n_ctx > 0) & (tot > 0)
         tl.store(base + 6 * so_m, tl.where(lb_ok, ctxm / tl.where(tot > 0, tot, 1.0), nan).to(ty), mask=row_ok)
+        if HAS_SINKS:
+            tl.store(base + 7 * so_m, tl.where(snk > -1e30, learned, nan).to(ty), mask=row_ok)  # -inf: no sink
 
 
     @triton.jit
@@ -446,22 +534,24 @@ def summary_buckets() -> list[int]:
     return [1 << k for k in range(4, SUMMARY_MAX_ROWS.bit_length())]
 
 
-def warm_up_summary(block: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile (by running it on two parts of ``block`` rows) :func:`summaries`' kernel for one bucket and
-    row dtype, no vision."""
-    rows = torch.zeros((1, 7, 1, 2 * block), dtype=dtype, device=device)
+def warm_up_summary(block: int, dtype: torch.dtype, device: torch.device, metrics: int = 7) -> None:
+    """Compile (by running it on two parts of ``block`` rows) :func:`summaries`' kernel for one bucket, row
+    dtype and number of metric rows (8: learned sinks), no vision."""
+    rows = torch.zeros((1, metrics, 1, 2 * block), dtype=dtype, device=device)
     out = torch.empty((1, 2, 7, 4, 1, 1), dtype=torch.float32, device=device)
     summaries(rows, [0, 2 * block], [block], False, (0.1, 0.5, 0.9), out)
 
 
-def warm_up_summaries(device: torch.device) -> int:
-    """Compile :func:`summaries`' kernel for every length bucket, float16 and float32 rows, no vision (the
-    variants a text model's finishes use): at engine start, not mid-serving.  Returns the number of launches."""
+def warm_up_summaries(device: torch.device, widths: tuple[int, ...] = (7,)) -> int:
+    """Compile :func:`summaries`' kernel for every length bucket, float16 and float32 rows, no vision, rows of
+    each of ``widths`` metrics (the variants a text model's finishes use): at engine start, not mid-serving.
+    Returns the number of launches."""
     if not available(device):
         return 0
-    variants = [(block, dtype) for block in summary_buckets() for dtype in (torch.float16, torch.float32)]
-    for block, dtype in variants:
-        warm_up_summary(block, dtype, device)
+    variants = [(block, dtype, m) for block in summary_buckets() for dtype in (torch.float16, torch.float32)
+                for m in widths]
+    for block, dtype, m in variants:
+        warm_up_summary(block, dtype, device, m)
     return len(variants)
 
 
@@ -477,17 +567,21 @@ def _rows_contiguous(t: torch.Tensor) -> bool:
 
 def row_metrics_slots(q_tap: torch.Tensor, k_tap: torch.Tensor, slots: torch.Tensor, cu_tokens: torch.Tensor,
                       prompt_lens: torch.Tensor, max_tokens: int, scale: float, sink_tokens: int = 4,
-                      vision_mask: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                      vision_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      terms: Terms | None = None) -> torch.Tensor:
     """Several requests' rows straight from the tap, no gather: ``q_tap [S, Hq, D]``, ``k_tap [S, Hkv, D]``
     (any rows), request b's tokens at ``slots[cu_tokens[b]:cu_tokens[b+1]]`` (int64, on the device),
     ``prompt_lens [B]`` int32 -> ``out [7, Hq, sum T]`` float32 (request b's rows in its ``cu_tokens``
-    range).  ``vision_mask`` is float32 ``[sum T]`` (concatenated per request) or None.  Nothing here
+    range; ``[8, ..]`` where ``terms`` has learned sinks: the layer's attention terms, :func:`terms`).  ``vision_mask`` is float32 ``[sum T]`` (concatenated per request) or None.  Nothing here
     syncs with the host: it can be enqueued on the engine's stream."""
     hq = q_tap.shape[1]
     total = slots.shape[0]
     B = cu_tokens.shape[0] - 1
     if out is None:
-        out = torch.empty((7, hq, total), dtype=torch.float32, device=q_tap.device)
+        out = torch.empty((terms.width if terms is not None else 7, hq, total), dtype=torch.float32,
+                          device=q_tap.device)
+    elif terms is not None and out.shape[0] < terms.width:
+        raise ValueError(f"out holds {out.shape[0]} metric rows; learned sinks need {terms.width}")
     has_vision = vision_mask is not None
     if has_vision:
         vm = vision_mask.to(dtype=torch.float32).contiguous()
@@ -500,7 +594,8 @@ def row_metrics_slots(q_tap: torch.Tensor, k_tap: torch.Tensor, slots: torch.Ten
         vm = vc = out  # unused pointers
     zeros = torch.zeros(B, dtype=torch.int32, device=q_tap.device)
     _launch(q_tap, slots, cu_tokens, zeros, k_tap[:, None], slots, cu_tokens, prompt_lens, vm if has_vision else None,
-            vc, out, out.stride(2), out.stride(0), out.stride(1), False, max_tokens, scale, sink_tokens)
+            vc, out, out.stride(2), out.stride(0), out.stride(1), False, max_tokens, scale, sink_tokens,
+            terms=terms)
     return out
 
 
@@ -508,7 +603,7 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
                        key_cache: torch.Tensor, key_slots: torch.Tensor, cu_keys: torch.Tensor,
                        prompt_lens: torch.Tensor, max_rows: int, scale: float, sink_tokens: int,
                        vision_mask: torch.Tensor | None, vision_count: torch.Tensor | None,
-                       out: torch.Tensor) -> torch.Tensor:
+                       out: torch.Tensor, terms: Terms | None = None) -> torch.Tensor:
     """Rows of several live requests, each against its keys in vLLM's paged cache, into a per-slot buffer.
 
     Request b's query rows are positions ``first[b] ..`` (``cu_rows[b+1] - cu_rows[b]`` of them) at rows
@@ -519,7 +614,7 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     float16 or float32).  ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the
     number of vision keys up to each row (``cu_rows``).  Enqueued on the current stream, no host sync."""
     _launch(q_ring, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens)
+            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens, terms=terms)
     return out
 
 
@@ -527,13 +622,14 @@ def row_metrics_stream_layers(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_row
                               first: torch.Tensor, key_caches: list[torch.Tensor], key_offsets: torch.Tensor,
                               key_slots: torch.Tensor, cu_keys: torch.Tensor, prompt_lens: torch.Tensor,
                               max_rows: int, scale: float, sink_tokens: int, vision_mask: torch.Tensor | None,
-                              vision_count: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+                              vision_count: torch.Tensor | None, out: torch.Tensor,
+                              terms: Terms | None = None) -> torch.Tensor:
     """:func:`row_metrics_stream` for every layer of ``q_ring [L, R, Hq, D]`` and ``out [L, S, 7, Hq]`` in one
     launch: layer l's keys are ``key_caches[l]`` (one shape, dtype and strides), which lies
     ``key_offsets[l]`` elements from ``key_caches[0]`` (see :func:`key_offsets`)."""
     _launch(q_ring[0], q_rows, cu_rows, first, key_caches[0], key_slots, cu_keys, prompt_lens, vision_mask,
             vision_count, out[0], out.stride(1), out.stride(2), out.stride(3), True, max_rows, scale, sink_tokens,
-            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)))
+            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)), terms=terms)
     return out
 
 
@@ -593,11 +689,58 @@ def split_head_dim(d: int) -> tuple[int, int] | None:
     return p, tail
 
 
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """The attention terms of the layers of one launch, on the device (see :func:`terms`): per layer the
+    sliding window, the chunk of chunked local attention (int32 ``[L]``, 0: none) and the logit soft-cap
+    (float32 ``[L]``, 0: none); the learned sink logits (float32 ``[L * Hq]``, -inf where a layer has none) or
+    None; and which of them any layer has (the kernel's compile-time switches)."""
+
+    window: torch.Tensor
+    chunk: torch.Tensor
+    cap: torch.Tensor
+    sinks: torch.Tensor | None
+    local: bool
+    has_cap: bool
+
+    @property
+    def width(self) -> int:
+        """Metric rows the kernel writes: 8 with learned sinks (learned_sink_mass), else 7."""
+        return 8 if self.sinks is not None else 7
+
+
+def terms(layers, device) -> Terms | None:
+    """:class:`Terms` of ``layers`` (anything with ``window``, ``chunk``, ``soft_cap``, ``sinks`` and
+    ``num_heads``, e.g. :class:`attn_otel.tap.LayerSpec`), in launch order; None where none has a term (the
+    plain kernel).  Made once per set of values and device: no upload on the serving path."""
+    key = tuple((int(s.window or 0), int(s.chunk or 0), float(s.soft_cap or 0.0),
+                 None if s.sinks is None else tuple(float(x) for x in s.sinks), int(s.num_heads)) for s in layers)
+    return _terms(key, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=256)
+def _terms(key: tuple, device: str) -> Terms | None:
+    if all(not w and not c and not cap and sinks is None for w, c, cap, sinks, _ in key):
+        return None
+    hq = max(h for *_, h in key)
+    window = torch.tensor([w for w, *_ in key], dtype=torch.int32, device=device)
+    chunk = torch.tensor([c for _, c, *_ in key], dtype=torch.int32, device=device)
+    cap = torch.tensor([c for _, _, c, *_ in key], dtype=torch.float32, device=device)
+    sinks = None
+    if any(k[3] is not None for k in key):
+        rows = [list(k[3] or ()) + [float("-inf")] * (hq - len(k[3] or ())) for k in key]
+        sinks = torch.tensor(rows, dtype=torch.float32, device=device).reshape(-1)
+    return Terms(window, chunk, cap, sinks, local=any(w or c for w, c, *_ in key),
+                 has_cap=any(c for _, _, c, *_ in key))
+
+
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None) -> None:
+            out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None,
+            terms: Terms | None = None) -> None:
     """``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
     are then layer 0's, ``key_cache`` layer 0's cache and ``key_offsets`` each layer's element offset from
-    it, int64 on the device)."""
+    it, int64 on the device).  ``terms``: the layers' attention terms (:func:`terms`), None for plain
+    layers; with learned sinks ``out`` has an eighth metric row (``so_m`` apart), learned_sink_mass."""
     hq, d = q.shape[1], q.shape[2]
     hkv = key_cache.shape[2]
     split = split_head_dim(d)
@@ -611,20 +754,29 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
     block_r, block_n, warps, stages = _config(hg, d)
     n_layers, koff, sq_l, so_l = layers if layers is not None else (1, out, 0, 0)
     grid = (triton.cdiv(max(int(max_rows), 1), block_r), n_layers * (hq // heads), B)
+    if terms is not None and terms.window.shape[0] != n_layers:
+        raise ValueError(f"terms of {terms.window.shape[0]} layers for a launch of {n_layers}")
+    win, chk, cap = (terms.window, terms.chunk, terms.cap) if terms is not None else (out, out, out)  # unused
+    sinks = terms.sinks if terms is not None and terms.sinks is not None else out
     _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out, koff,
-                       int(sink_tokens), float(scale), int(key_cache.shape[1]), heads, hq // hkv, hq // heads,
+                       win, chk, cap, sinks, int(sink_tokens), float(scale), int(key_cache.shape[1]), heads, hq // hkv, hq // heads,
                        sq_l, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                        so_l, so_r, so_m, so_h,
-                       HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None, HG=hg, D=split[0],
+                       HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None,
+                       LOCAL=terms is not None and terms.local, HAS_CAP=terms is not None and terms.has_cap,
+                       HAS_SINKS=terms is not None and terms.sinks is not None, HG=hg, D=split[0],
                        D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
 def row_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int, sink_tokens: int = 4,
-                vision_mask: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]`` (one request, B layers) -> ``[B, 7, Hq, T]`` float32."""
+                vision_mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                terms: Terms | None = None) -> torch.Tensor:
+    """``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]`` (one request, B layers of one set of attention ``terms``,
+    :func:`terms`) -> ``[B, 7, Hq, T]`` float32 (``[B, 8, ..]`` with learned sinks)."""
     B, T, hq, d = q.shape
     if out is None:
-        out = torch.empty((B, 7, hq, T), dtype=torch.float32, device=q.device)
+        out = torch.empty((B, terms.width if terms is not None else 7, hq, T), dtype=torch.float32,
+                          device=q.device)
     if vision_mask is not None and tuple(vision_mask.shape) != (T,):
         raise ValueError(f"vision_mask has shape {tuple(vision_mask.shape)}, expected ({T},)")
     slots = torch.arange(T, dtype=torch.int64, device=q.device)
@@ -632,5 +784,5 @@ def row_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int,
     np_ = torch.tensor([int(prompt_len)], dtype=torch.int32, device=q.device)
     vm = None if vision_mask is None else vision_mask.to(device=q.device, dtype=torch.float32)
     for b in range(B):
-        row_metrics_slots(q[b], k[b], slots, cu, np_, T, scale, sink_tokens, vm, out=out[b])
+        row_metrics_slots(q[b], k[b], slots, cu, np_, T, scale, sink_tokens, vm, out=out[b], terms=terms)
     return out

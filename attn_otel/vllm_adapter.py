@@ -681,14 +681,17 @@ def _plan(runner, config, specs, layers, par=None):
 
     captured = par.capture_layers if par is not None else tuple(s.index for s in specs)
     maps = resolve_map_layers(config.map_layers, captured)
-    # Layers with a window, soft-cap or sinks keep the Q/K tap (and so have maps): the stream's Triton kernels
-    # lack those terms.  (Under pipeline parallelism only this stage's such layers are known here.)
-    variant = {s.index for s in specs if not s.plain}
-    if variant - set(maps):
-        maps = type(maps)(sorted(set(maps) | variant))
-    # Every plain layer is streamed (metrics for every request while it runs); the map layers among them
-    # also keep the queries of the requests planned for maps (attn_otel.tap.MapTap).
-    streamed = [s for s in specs if s.plain]
+    # Every layer is streamed (metrics for every request while it runs, its window, chunks, soft-cap and
+    # learned sinks in the stream's kernels) but windowed or chunked layers of a model with no full-attention
+    # group, tapped by attn-otel's own block table (attn_otel.shadow): those keep the Q/K tap (and so have maps).
+    # A windowed layer whose group vLLM frees out of the window streams with a K-only tap by a full-attention
+    # group's slots (see _window_groups), never reading its own freed blocks.  The map layers among the streamed
+    # ones also keep the queries of the requests planned for maps (attn_otel.tap.MapTap).  (Under pipeline
+    # parallelism only this stage's own-table layers are known here.)
+    own = {s.index for s in specs if s.own_group >= 0}
+    if own - set(maps):
+        maps = type(maps)(sorted(set(maps) | own))
+    streamed = [s for s in specs if s.own_group < 0]
     if streamed:
         first = streamed[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.group)
@@ -726,6 +729,10 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
             kv_per_token += spec.page_size_bytes / spec.block_size
         dtype = _model_dtype(runner)
         maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs))
+        if streamed and all(s.local for s in specs):
+            # KV-cache groups are not known yet: a model whose every layer has a window or chunks has no
+            # full-attention group, so its layers will keep a Q/K tap by attn-otel's own table (_window_groups)
+            maps, streamed = tuple(s.index for s in specs), []
         tapped = [s for s in specs if s not in streamed]
         tap = capture_bytes_per_token(tapped, streamed, from_cache, dtype)
         ring = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
@@ -806,6 +813,8 @@ def _install(runner, kv_cache_config) -> None:
         keys = {}
         if from_cache:
             for s in streamed:
+                if s.slots_from:  # a windowed layer: its own blocks are freed while the request runs
+                    continue
                 view = _key_cache_view(layers[s.name], s, dtype)
                 if view is None:
                     logger.warning("attn-otel: the KV cache of %s has a layout this does not know; its keys are "

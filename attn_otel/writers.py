@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from .attention import KERNEL_METRICS, METRICS
+from .attention import KERNEL_METRICS, LEARNED_SINK_ROW, METRICS
 from .config import Config, writer_timeout_s
 from .handoff import Job
 from .metrics import summary_only
@@ -60,8 +60,13 @@ class WriterPool:
             if job.token_ids is not None:
                 rec.token_ids = job.token_ids.numpy().astype(np.int32)
             # the rows a capture has: KERNEL_METRICS, and the learned sink mass where a layer has learned sinks
-            # (attn_otel.compute keeps that row only then; a summarised capture is of plain layers)
-            width = job.per_row.shape[0] if job.per_row is not None else len(KERNEL_METRICS)
+            # (attn_otel.compute keeps that row only then; a summary has it defined only then)
+            if job.per_row is not None:
+                width = job.per_row.shape[0]
+            else:
+                sink_row = job.summary[:, LEARNED_SINK_ROW] if job.summary is not None else None
+                width = (len(METRICS) if sink_row is not None and bool(torch.isfinite(sink_row).any())
+                         else len(KERNEL_METRICS))
             names = [name for name in METRICS[:width]
                      if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")]
             if self.config.writer == "process":

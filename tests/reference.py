@@ -128,14 +128,14 @@ class Calibrated:
         self.add(key, row_tv(got, fp32), row_tv(bf16, fp32), MAP_STATS, TV_FLOOR)
 
     def add_metrics(self, prefix: str, got: dict, fp32_layer: np.ndarray, bf16_layer: np.ndarray,
-                    prompt_len: int, sink_tokens: int = 4) -> None:
+                    prompt_len: int, sink_tokens: int = 4, window: int = 0, chunk: int = 0) -> None:
         """One layer's stored per-row metrics (``{name: [H, T]}``) against NumPy's on HF fp32's maps of that
-        layer ([H, T, T]), next to NumPy's on HF bf16's; keys ``f"{prefix}{name}"``.  NaN where undefined must
-        match exactly."""
+        layer ([H, T, T]; its sliding ``window`` or ``chunk``, where it has one), next to NumPy's on HF bf16's;
+        keys ``f"{prefix}{name}"``.  NaN where undefined must match exactly."""
         from numpy_metrics import per_row_metrics
 
-        ref = per_row_metrics(fp32_layer, prompt_len, sink_tokens)
-        alt = per_row_metrics(bf16_layer, prompt_len, sink_tokens)
+        ref = per_row_metrics(fp32_layer, prompt_len, sink_tokens, window=window, chunk=chunk)
+        alt = per_row_metrics(bf16_layer, prompt_len, sink_tokens, window=window, chunk=chunk)
         for name, r in ref.items():
             g = np.asarray(got[name], dtype=np.float64)
             assert g.shape == r.shape, (prefix, name, g.shape, r.shape)

@@ -53,7 +53,7 @@ def served(request, tmp_path_factory):
     which = request.param
     tmp = tmp_path_factory.mktemp(which)
     model = BUILD[which](tmp / "model")
-    store, got, _ = serve(tmp, model)
+    store, got, _ = serve(tmp, model, "--twins")
     assert got["kv_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"] or got["kv_groups"] == [
         "FullAttentionSpec", "SlidingWindowSpec"]  # vLLM's hybrid KV-cache manager: window blocks are freed
     return which, model, store, got
@@ -97,10 +97,13 @@ def stats(tv: np.ndarray) -> dict:
 
 def test_every_layer_is_captured_with_its_terms(served):
     which, _, _, got = served
-    assert got["captured"] == len(got["requests"]) and not got["dropped"]
+    assert got["captured"] == len(got["requests"]) + len(got["twins"]) and not got["dropped"]
     layers = {s["index"]: s for s in got["layers"]}
     n = 2 if which == "gptoss" else 4
     assert sorted(layers) == list(range(n))  # nothing refused
+    # every layer is streamed, its terms in the stream's kernels (windowed ones with keys tapped by a full
+    # layer's slots); metrics-only captures keep no query of any layer (test_metrics_only_captures_...)
+    assert got["streamed"] == list(range(n))
     for i, s in layers.items():
         assert s["window"] == (WINDOW if i % 2 == 0 else 0)
         if s["window"]:  # its own KV group frees blocks out of the window: tapped by a full layer's slots
@@ -205,6 +208,39 @@ def test_metrics_mean_what_the_docs_say_under_a_window(served):
     assert np.isfinite(lb[1::2, :, N:]).all()  # full layers see the prompt
     if T - N >= WINDOW:
         assert np.isnan(lb[0::2, :, N + WINDOW - 1:]).all()  # windowed rows that no longer see the prompt
+
+
+def test_metrics_only_captures_match_hf_eager_within_bf16_drift(served):
+    """The second wave again, metrics only (reading the prefix cache): each layer's per-row metrics now come
+    from the stream (layers without a window: soft-cap and sinks in the stream's kernels) or from the finish
+    (windowed layers), not from maps, on the CPU through the torch reference and on a GPU through the Triton
+    kernels.  Against NumPy's per-row metrics (tests/numpy_metrics.py, each layer's window) of HF eager fp32's
+    maps, within the bound of HF bf16's own drift (tests/reference.py); gpt-oss's learned sink mass against
+    1 - HF's row sums the same way."""
+    from reference import Calibrated
+
+    which, model, store, got = served
+    assert len(got["twins"]) >= 8 and any(r["cached"] for r in got["twins"])
+    window = {s["index"]: s["window"] for s in got["layers"]}
+    cal = Calibrated()
+    for r in got["twins"]:
+        (cap,) = attn_otel.open_trace(r["trace_id"], store=store)
+        ids = r["prompt"] + r["output"]
+        T = len(ids) - 1
+        assert not cap.has_maps and cap.num_tokens == T and cap.layers == sorted(window)
+        ref, bf = hf_attention(model, ids[:T]), bf16_attention(model, ids[:T])
+        for li in cap.layers:
+            group = f"{which} {'windowed' if window[li] else 'streamed'} "
+            cal.add_metrics(group, {name: rows[li] for name, rows in cap.metrics.items()}, ref[li], bf[li],
+                            cap.prompt_len, window=window[li])
+            if which == "gptoss":  # the sink's share of each row: 1 - HF's row sum
+                share = 1 - ref[li].sum(-1)
+                cal.add(group + "learned_sink_mass", np.abs(cap.metrics["learned_sink_mass"][li] - share),
+                        np.abs((1 - bf[li].sum(-1)) - share))
+            else:
+                assert "learned_sink_mass" not in cap.metrics
+    print(f"\n{which} metrics-only captures against HF eager fp32:", json.dumps(cal.report()))
+    cal.check(which)
 
 
 @pytest.mark.parametrize("all_window", [False, True], ids=["half-window", "all-window"])

@@ -151,6 +151,7 @@ def test_a_layer_spec_is_plain_only_without_terms_and_stays_hashable():
     for extra in (dict(soft_cap=30.0), dict(window=16), dict(sinks=(0.0,) * HQ), dict(chunk=32)):
         spec = LayerSpec(**base, **extra)
         assert not spec.plain
+        assert spec.local == ("window" in extra or "chunk" in extra)  # kept out of the stream, Q/K tapped
         hash(spec)
     t = LayerSpec(**base, sinks=(1.0, 2.0, 3.0, 4.0)).terms("cpu")
     assert t["sinks"].tolist() == [1.0, 2.0, 3.0, 4.0] and t["window"] == 0 and t["soft_cap"] == 0.0
@@ -274,7 +275,7 @@ def test_the_window_is_read_in_each_backends_convention():
     assert _terms(impl) == dict(soft_cap=30.0, window=0, sinks=(1.0, 2.0, 3.0, 4.0))
 
 
-# --- routing: layers with terms never take the Triton paths (capture engine, no vLLM) --------------------
+# --- routing: layers with terms take the Triton paths too (capture engine, no vLLM) -------------------------
 
 def _capture_engine(tmp_path, **cfg):
     from attn_otel.capture import CaptureEngine
@@ -302,17 +303,19 @@ def _finished(T, layers="all", mode="metrics"):
     return trace, FinishedRequest(f"r{T}-{layers}", list(range(T - 2)), [7, 8], T, [list(range(16))], [16], extra)
 
 
-def test_captures_with_a_variant_layer_skip_the_gpu_batched_path(tmp_path):
+def test_captures_with_a_variant_layer_take_the_gpu_batched_path(tmp_path):
+    """The Triton kernels have every term (tests/test_triton_terms.py): metrics-only captures of a variant layer
+    are batched and summarised on the device like a plain layer's; maps still go to the compute thread."""
     eng = _capture_engine(tmp_path, row_metrics="maps")  # metrics-only rows summarised where they are
     eng._fused, eng.planner.summarised_on_device = True, True  # as on a GPU with Triton
     batched, computed = [], []
     eng.batched.admit = lambda plan: True
     eng.batched.run = lambda batch: batched.extend(batch)
     eng.compute.submit = lambda plan: computed.append(plan)
-    eng.on_finished_many([_finished(50, "0")[1], _finished(60, "all")[1], _finished(70, "1")[1]])
-    assert [p.T for p in batched] == [50] and batched[0].plain and batched[0].summarised
-    assert [p.T for p in computed] == [60, 70]
-    assert not any(p.plain or p.summarised for p in computed)  # per-row metrics through the torch path
+    eng.on_finished_many([_finished(50, "0")[1], _finished(60, "all")[1], _finished(70, "1")[1],
+                          _finished(80, "all", mode="maps")[1]])
+    assert [p.T for p in batched] == [50, 60, 70] and all(p.summarised for p in batched)
+    assert [p.T for p in computed] == [80] and computed[0].want_maps and not computed[0].summarised
     for plan in batched + computed:  # what the intercepted paths would have given back (else close waits 30 s)
         eng.handoff.release(plan.nbytes)
     eng.close()
@@ -363,3 +366,25 @@ def test_the_verify_check_multiplies_float32_probabilities_not_the_float16_maps(
                       on_band=lambda r0, r1, p: errors.append(reconstruction_error(p, v, 1.0, out[r0:r1])))
     err = torch.cat(errors)
     assert err.numel() == HQ * T and err.max() < 1e-4
+
+
+@pytest.mark.parametrize("terms", [dict(window=16), dict(chunk=24), dict(window=16, chunk=24),
+                                   dict(window=16, soft_cap=5.0, sinks=True)])
+def test_the_numpy_reference_and_the_torch_metrics_agree_under_windows_chunks_and_sinks(terms):
+    """tests/numpy_metrics.py (row by row from the definitions, on the maps) and attention_metrics (banded
+    torch) agree, visible-key counts, NaN rules and lookback means included: the engine tests use the first as
+    the reference for captures of windowed, chunked and sink layers."""
+    from numpy_metrics import per_row_metrics
+
+    g = torch.Generator().manual_seed(5)
+    T, N = 90, 40
+    q, k = torch.randn(T, HQ, D, generator=g), torch.randn(T, HKV, D, generator=g)
+    t = dict(terms)
+    if t.pop("sinks", False):
+        t["sinks"] = torch.tensor(SINKS, dtype=torch.float32)
+    maps = attention_maps(q, k, SCALE, **t).numpy()
+    got = attention_metrics(q, k, SCALE, N, **t).numpy()
+    want = per_row_metrics(maps, N, window=terms.get("window", 0), chunk=terms.get("chunk", 0))
+    for name, rows in want.items():
+        np.testing.assert_allclose(got[METRICS.index(name)], rows, atol=2e-5, equal_nan=True, err_msg=name)
+    assert np.isnan(want["sink_mass_first"][:, 20:]).all() or "window" not in terms  # the first key out of view

@@ -1,7 +1,9 @@
 """Serve one of tests/variant_models.py's models with vLLM's CPU build and attn-otel, and write what the
 test compares:
-``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]] [--eager[=OPS]]``
-(``--eager``: ``enforce_eager``, with ``OPS`` as ``compilation_config.custom_ops`` where given).
+``python variant_serve.py MODEL_DIR STORE OUT_JSON [NUM_BLOCKS] [--own-slots] [--spec[=mtp]] [--eager[=OPS]]
+[--twins]`` (``--eager``: ``enforce_eager``, with ``OPS`` as ``compilation_config.custom_ops`` where given;
+``--twins``: the second wave's prompts once more, metrics only, as ``twins``: their per-row metrics come from
+the stream and the finish-time kernels, not from maps).
 
 Serving as in production: prefix caching on (the second wave shares a long prefix with the first
 request), chunked prefill with a small step (max_num_batched_tokens=32, prompts of 50-200 tokens), and
@@ -15,7 +17,8 @@ import sys
 from pathlib import Path
 
 
-def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "", eager: str | None = None) -> None:
+def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "", eager: str | None = None,
+         twins: bool = False) -> None:
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": store, "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAP_LAYERS": "all", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": "all", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -84,6 +87,18 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
         for t, o in zip(traces, outs):
             results.append({"trace_id": t, "prompt": list(o.prompt_token_ids),
                             "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)})
+    twin_results = []
+    if twins:  # metrics only (read from the prefix cache: not planned for maps at arrival), longer outputs
+        prompts = waves[-1]
+        traces = [new_trace_id() for _ in prompts]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(max_tokens=12, temperature=0.0, detokenize=False,
+                                            extra_args={"attn_otel": "metrics",
+                                                        "traceparent": f"00-{t}-{new_span_id()}-01"})
+                             for t in traces], use_tqdm=False)
+        for t, o in zip(traces, outs):
+            twin_results.append({"trace_id": t, "prompt": list(o.prompt_token_ids),
+                                 "output": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0)})
     llm.llm_engine.step()
     kvm = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     groups = [type(g.kv_cache_spec).__name__ for g in kvm.kv_cache_config.kv_cache_groups]
@@ -101,7 +116,8 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
     drafts = ({m.name: getattr(m, "value", None) for m in llm.llm_engine.get_metrics() if "spec_decode" in m.name}
               if spec else {})
     with open(out_json, "w") as f:
-        json.dump({"requests": results, "layers": specs, "kv_groups": groups, "num_blocks": kv.num_gpu_blocks,
+        json.dump({"requests": results, "twins": twin_results, "layers": specs,
+                   "streamed": sorted(engine.streamed), "map_layers": list(engine.map_layers), "kv_groups": groups, "num_blocks": kv.num_gpu_blocks,
                    "attention_impl": engine.attrs.get("attention_impl"), "layer_kinds": engine.attrs.get("layer_kinds"),
                    "prefix_caching": bool(kv.enable_prefix_caching),
                    "chunked_prefill": bool(llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill),
@@ -129,4 +145,7 @@ if __name__ == "__main__":
     for arg in [a for a in sys.argv if a.startswith("--eager")]:
         sys.argv.remove(arg)
         eager = arg.partition("=")[2]
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64, spec, eager)
+    twins = "--twins" in sys.argv
+    if twins:
+        sys.argv.remove("--twins")
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 64, spec, eager, twins)
