@@ -157,7 +157,8 @@ class CaptureEngine:
         """Device bytes per KV-cache token (the stream's fixed-size ring not included)."""
         st = self.stream
         return capture_bytes_per_token(list(self.tap.layers.values()), st.layers if st else [],
-                                       st is not None and not st.k_tap, self.tap.dtype)
+                                       st is not None and not st.k_tap, self.tap.dtype,
+                                       st is None or "vision_share" in st.slot_rows)
 
     # ----------------------------------------------------------------- engine-loop side (no I/O here)
     def on_finished(self, req: FinishedRequest) -> None:

@@ -129,7 +129,8 @@ class ComputeThread:
                 checks.append(None)
                 qk.append(None)
                 if streamed is None:
-                    streamed = self.stream.gather(slots_by_group[spec.group])  # [streamed layers, T, 7, H]
+                    positions = torch.arange(plan.T, device=self.device)
+                    streamed = self.stream.gather(slots_by_group[spec.group], positions)  # [layers, T, 7, H]
             else:
                 check = None
                 if plan.want_maps and self.maptap is not None and spec.index in self.maptap.checked:

@@ -198,8 +198,10 @@ class BatchedMetrics:
             return upload(a, dev)
 
         groups = list(slots_host)
-        host = [cu, prompt, *(np.concatenate(slots_host[g]) for g in groups)] + ([vision_host] if vision_any else [])
-        cu_dev, prompt_dev, *rest = upload_many(host, dev)  # one copy
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), Ts)  # each request's own
+        host = [cu, prompt, positions, *(np.concatenate(slots_host[g]) for g in groups)] + (
+            [vision_host] if vision_any else [])
+        cu_dev, prompt_dev, positions_dev, *rest = upload_many(host, dev)  # one copy
         slots_dev = dict(zip(groups, rest[:len(groups)]))
         vision_dev = rest[len(groups)] if vision_any else None
         summarise = self.config.row_metrics != "all"
@@ -220,7 +222,7 @@ class BatchedMetrics:
         got = None
         if streamed:  # computed while the requests ran: one gather by slot for every streamed layer
             st = self.stream
-            got = st.gather(slots_dev[st.group])  # [streamed layers, total, 7, H] float16
+            got = st.gather(slots_dev[st.group], positions_dev)  # [streamed layers, total, 7, H] float16
             order = [st.pos[layers[li].index] for li in streamed]
             if order != list(range(len(order))):
                 got = got.index_select(0, up(np.asarray(order, dtype=np.int64)))

@@ -6,8 +6,11 @@ cache shrinks to 0.29x (docs/benchmarks/overhead.md).  A streamed layer instead 
 
 * a **query ring** ``[R, Hq, D]``: the model's own queries, written in the forward (in-graph, like the tap)
   at ring rows the host assigned to this step's tokens, through a slot -> ring-row table on the device;
-* a **per-slot metrics buffer** ``[slots, 7, Hq]`` (float16, 448 B per token at 32 heads): every KV-cache
-  token's seven per-row metrics once computed;
+* a **per-slot metrics buffer** ``[slots, M, Hq]`` (float16, 256 B per token at 32 heads for a text model):
+  every KV-cache token's per-row metrics once computed, those the finish cannot derive only
+  (:func:`slot_rows`: entropy, the two sink masses, lookback, and the vision share and learned sink mass where
+  the model has them; ``entropy_norm`` is the entropy over ln of the visible keys, which the position and the
+  layer's window give, and a text model's vision rows are NaN);
 * nothing for K: the keys are read from vLLM's own paged KV cache (a view of FLASH_ATTN's cache), or, where
   that layout is not known (the CPU backend, a quantised cache), from a K-only tap.
 
@@ -218,7 +221,7 @@ class MetricsStream:
 
     def __init__(self, layers: Sequence[Any], num_slots: int, rows: int, dtype: torch.dtype, device,
                  block_size: int, sink_tokens: int = 4, key_caches: dict[int, torch.Tensor] | None = None,
-                 side: Side | None = None):
+                 side: Side | None = None, vision: bool = True):
         if not layers:
             raise ValueError("a stream needs at least one layer")
         shapes = {(s.num_heads, s.num_kv_heads, s.head_dim, s.group) for s in layers}
@@ -233,8 +236,14 @@ class MetricsStream:
         self.device = torch.device(device)
         self.side = side if side is not None else Side(self.device)  # flushes run beside the forwards
         self.q = torch.zeros((L, R + 1, H, D), dtype=dtype, device=device)  # row R absorbs padded tokens
-        self.metrics = torch.full((L, S + 1, metric_width(self.layers), H), float("nan"), dtype=torch.float16,
+        # the metrics kept per slot (slot_rows), and where each lands in the full [.., width, H] rows at gather
+        self.slot_rows = slot_rows(self.layers, vision)
+        self.width = metric_width(self.layers)
+        self.metrics = torch.full((L, S + 1, len(self.slot_rows), H), float("nan"), dtype=torch.float16,
                                   device=device)
+        self._full_at = torch.tensor([METRICS.index(n) for n in self.slot_rows], dtype=torch.int64, device=device)
+        self._window = torch.tensor([int(s.window or 0) for s in self.layers], dtype=torch.int64, device=device)
+        self._chunk = torch.tensor([int(s.chunk or 0) for s in self.layers], dtype=torch.int64, device=device)
         self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)  # slot S: padding
         key_caches = key_caches or {}
         # Keys: a [blocks, block_size, Hkv, D] view of vLLM's cache per layer, else a K-only tap.
@@ -248,7 +257,8 @@ class MetricsStream:
                 tap = torch.zeros((S + 1, Hkv, D), dtype=dtype, device=device)
                 self.k_tap[s.index] = tap
                 self.keys[s.index] = tap[:, None]
-        self.kernels = FlushKernels(self.layers, self.q, self.keys, self.metrics, self.sink_tokens, self.device)
+        self.kernels = FlushKernels(self.layers, self.q, self.keys, self.metrics, self.sink_tokens, self.device,
+                                    self.slot_rows)
         # host side: a stack of free ring rows; per ring row its owner (-1: free), position and slot; per
         # slot the owner of its pending row (-1: none)
         self._free = np.arange(R - 1, -1, -1, dtype=np.int64)
@@ -268,12 +278,13 @@ class MetricsStream:
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
-    def bytes_per_token(layers: Sequence[Any], keys_from_cache: bool, dtype: torch.dtype) -> int:
+    def bytes_per_token(layers: Sequence[Any], keys_from_cache: bool, dtype: torch.dtype,
+                        vision: bool = True) -> int:
         """Per KV-cache token: the metrics buffer, the slot table entry, and the K tap of the layers whose keys
         are not read from vLLM's cache (all where ``keys_from_cache`` is false; windowed and chunked layers
         always: vLLM frees their blocks while a request runs)."""
         size = torch.empty((), dtype=dtype).element_size()
-        per = sum(metric_width(layers) * s.num_heads * 2 for s in layers) + 8
+        per = sum(len(slot_rows(layers, vision)) * s.num_heads * 2 for s in layers) + 8
         per += sum(s.num_kv_heads * s.head_dim * size for s in layers
                    if not keys_from_cache or getattr(s, "local", False))
         return per
@@ -495,10 +506,48 @@ class MetricsStream:
         self.flushed_rows += n
 
     # ------------------------------------------------------------------ at finish
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Per-row metrics of every streamed layer at these slots: ``[layers, len(slots), 7, Hq]`` float16
-        (``[.., 8, Hq]`` where a streamed layer has learned sinks: :func:`metric_width`)."""
-        return self.metrics.index_select(1, slots)
+    def gather(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-row metrics of every streamed layer at these slots, whose tokens are at these ``positions`` of
+        their requests: ``[layers, len(slots), 7, Hq]`` float16 (``[.., 8, Hq]`` where a streamed layer has
+        learned sinks: :func:`metric_width`), the kept rows (:func:`slot_rows`) put in place and
+        ``entropy_norm`` derived: the entropy over ln n_i, n_i the keys row i sees (its position + 1, or
+        fewer under the layer's window or chunks; NaN where n_i = 1), as the kernel computes it."""
+        return full_rows(self.metrics.index_select(1, slots), self._full_at, self.width, positions, self._window,
+                         self._chunk)
+
+
+_NORM = METRICS.index("entropy_norm")
+
+
+def full_rows(kept: torch.Tensor, full_at: torch.Tensor, width: int, positions: torch.Tensor, window: torch.Tensor,
+              chunk: torch.Tensor) -> torch.Tensor:
+    """``kept [L, n, len(slot_rows), H]`` (entropy first) as ``[L, n, width, H]`` rows in METRICS order: each
+    kept row at ``full_at``, ``entropy_norm`` derived from the entropy and the rows' ``positions`` under each
+    layer's ``window`` and ``chunk`` (``[L]``, 0: none), the rest NaN."""
+    L, n, _, H = kept.shape
+    out = torch.full((L, n, width, H), float("nan"), dtype=kept.dtype, device=kept.device)
+    out.index_copy_(2, full_at, kept)
+    pos = positions.to(device=kept.device, dtype=torch.int64).view(1, -1)
+    w, c = window.view(-1, 1), chunk.view(-1, 1)
+    lo = torch.where(w > 0, (pos - w + 1).clamp_min(0), torch.zeros_like(pos))
+    lo = torch.where(c > 0, torch.maximum(lo, pos // c.clamp_min(1) * c), lo)
+    n_vis = (pos + 1 - lo).float()  # [L, n]: the keys each row sees
+    norm = kept[:, :, 0].float() / torch.log(n_vis.clamp_min(2.0)).unsqueeze(-1)
+    out[:, :, _NORM] = torch.where((n_vis > 1).unsqueeze(-1), norm, torch.nan).to(out.dtype)
+    return out
+
+
+def slot_rows(layers: Sequence[Any], vision: bool = True) -> tuple[str, ...]:
+    """The metrics the per-slot buffer keeps, in that order: what the finish cannot derive.  Not
+    ``entropy_norm`` (the entropy over ln of the visible keys: :meth:`MetricsStream.gather`), the vision pair
+    only for a model that takes images (``vision``), the learned sink mass only where a layer has sinks."""
+    rows = ["entropy", "sink_mass_first", "sink_mass_k"]
+    if vision:
+        rows += ["vision_share", "vision_share_norm"]
+    rows.append("lookback_ratio")
+    if metric_width(layers) > len(KERNEL_METRICS):
+        rows.append("learned_sink_mass")
+    return tuple(rows)
 
 
 def metric_width(layers: Sequence[Any]) -> int:
@@ -523,7 +572,8 @@ class FlushKernels:
     the torch reference (:func:`attn_otel.attention.attention_metrics`)."""
 
     def __init__(self, layers: Sequence[Any], q: torch.Tensor, keys: dict[int, torch.Tensor],
-                 metrics: torch.Tensor, sink_tokens: int, device: torch.device):
+                 metrics: torch.Tensor, sink_tokens: int, device: torch.device,
+                 rows: tuple[str, ...] | None = None):
         self.layers = layers
         self.pos = {s.index: i for i, s in enumerate(layers)}
         self.q, self.keys, self.metrics = q, keys, metrics
@@ -534,6 +584,9 @@ class FlushKernels:
         self.terms = triton_metrics.terms(layers, device) if self.fused else None
         self._own_terms = {s.index: triton_metrics.terms([s], device) for s in layers} if self.fused else {}
         self.width = metric_width(layers)
+        self.rows = tuple(rows) if rows is not None else tuple(METRICS[: self.width])  # the buffer's metrics
+        self._rows_idx = [METRICS.index(n) for n in self.rows]
+        self.vision = "vision_share" in self.rows
         # one launch for every layer where their keys allow it (vLLM's per-layer caches: one shape and dtype)
         self._layered = None
         if self.fused and len({s.scale for s in layers}) == 1:
@@ -559,19 +612,19 @@ class FlushKernels:
         if vm_parts is not None:
             host += [np.concatenate(vm_parts).astype(np.float32), np.concatenate(vc_parts).astype(np.float32)]
         rows_d, cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, *vis = upload_many(host, self.device)  # one copy
-        vm_d, vc_d = vis if vis else (None, None)
+        vm_d, vc_d = vis if vis and self.vision else (None, None)  # (a text model keeps no vision rows)
         if self._layered is not None:  # every layer in one launch
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
                 self.q, rows_d, cu_rows_d, first_d, caches, offs, keys_d, cu_keys_d, prompt_d, max(counts),
-                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics, terms=self.terms)
+                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics, terms=self.terms, rows=self.rows)
         else:
             for spec in self.layers:
                 li = self.pos[spec.index]
                 triton_metrics.row_metrics_stream(
                     self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                     max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li],
-                    terms=self._own_terms[spec.index])
+                    terms=self._own_terms[spec.index], rows=self.rows)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -603,7 +656,7 @@ class FlushKernels:
                 q[a:end] = self.q[li].index_select(0, rows)  # rows before a are never read
                 res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a,
                                         **spec.terms(self.device))
-                rows_m = res[: self.width, :, a:end]  # the learned sink mass too where a layer has sinks
+                rows_m = res[self._rows_idx, :, a:end]  # the metrics the buffer keeps (slot_rows)
                 self.metrics[li].index_copy_(0, out_slots, rows_m.permute(2, 0, 1).to(torch.float16))
 
     def warm_up(self, pad_row: int) -> int:
@@ -623,11 +676,20 @@ class FlushKernels:
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
                 self.q, rows_d, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, 1, self.layers[0].scale,
-                self.sink_tokens, None, None, self.metrics, terms=self.terms)
-        else:
-            spec = self.layers[0]
-            triton_metrics.row_metrics_stream(
-                self.q[0], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
-                self.sink_tokens, None, None, self.metrics[0], terms=self._own_terms[spec.index])
+                self.sink_tokens, None, None, self.metrics, terms=self.terms, rows=self.rows)
+            launches = 1
+        else:  # one launch per kernel variant the layers need: their keys' dtype and their terms' switches
+            variants = {}
+            for spec in self.layers:
+                t = self._own_terms[spec.index]
+                flags = None if t is None else (t.local, t.has_cap, t.sinks is not None)
+                variants.setdefault((self.keys[spec.index].dtype, self.keys[spec.index].stride(), flags), spec)
+            for spec in variants.values():
+                li = self.pos[spec.index]
+                triton_metrics.row_metrics_stream(
+                    self.q[li], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
+                    self.sink_tokens, None, None, self.metrics[li], terms=self._own_terms[spec.index],
+                    rows=self.rows)
+            launches = len(variants)
         self.metrics[:, 0].fill_(float("nan"))
-        return 1
+        return launches

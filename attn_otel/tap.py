@@ -111,12 +111,13 @@ class QKTap:
 
 
 def capture_bytes_per_token(tapped: Sequence[LayerSpec], streamed: Sequence[LayerSpec], keys_from_cache: bool,
-                            dtype: torch.dtype) -> int:
+                            dtype: torch.dtype, vision: bool = True) -> int:
     """Device bytes per KV-cache token of capture: the Q/K tap of the map layers and what streamed layers
-    keep per token (see :meth:`attn_otel.stream.MetricsStream.bytes_per_token`); the ring comes on top."""
+    keep per token (see :meth:`attn_otel.stream.MetricsStream.bytes_per_token`; ``vision``: a model that takes
+    images); the ring comes on top."""
     per = QKTap.bytes_per_token(tapped, dtype)
     if streamed:
-        per += MetricsStream.bytes_per_token(streamed, keys_from_cache, dtype)
+        per += MetricsStream.bytes_per_token(streamed, keys_from_cache, dtype, vision)
     return per
 
 

@@ -120,6 +120,8 @@ if triton is not None:
                      HEADS, GROUP, NHG, sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
                      HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, LAYERED: tl.constexpr,
                      LOCAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+                     ROW_NORM: tl.constexpr, ROW_S0: tl.constexpr, ROW_SK: tl.constexpr, ROW_VIS: tl.constexpr,
+                     ROW_LB: tl.constexpr, ROW_SINK: tl.constexpr,
                      HG: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_N: tl.constexpr):
         # Request b: its query rows are positions A[b] .. A[b] + n - 1 (n = CUQ[b+1] - CUQ[b]), read from Q
@@ -135,6 +137,9 @@ if triton is not None:
         # i; 0: none); HAS_CAP, a logit soft-cap CAPP[layer] (0: none); HAS_SINKS, a learned sink logit per
         # query head, SINKP[layer * NHG * HEADS + head], in the softmax's denominator: the keys' probabilities
         # then sum to 1 - its share, stored as an eighth metric (learned_sink_mass).
+        # ROW_*: where each metric goes along OUT's metric axis (entropy at 0; -1: not stored): the metrics'
+        # own order (1, 2, 3, 4 and 5, 6, 7), or the stream's per-slot rows, which leave out what the finish
+        # derives (entropy_norm; the vision pair of a text-only model): see :data:`LAYOUT`.
         pid_m = tl.program_id(0)
         b = tl.program_id(2)
         layer = 0
@@ -289,21 +294,24 @@ if triton is not None:
             orow = qstart + local
         base = OUT + hh * so_h + orow * so_r
         ty = OUT.dtype.element_ty
-        tl.store(base + 0 * so_m, ent.to(ty), mask=row_ok)
-        tl.store(base + 1 * so_m, tl.where(nvis > 1.0, ent / tl.log(tl.maximum(nvis, 2.0)), nan).to(ty),
-                 mask=row_ok)
-        tl.store(base + 2 * so_m, tl.where((rows >= KS) & (lo_r == 0), s0, nan).to(ty), mask=row_ok)
-        tl.store(base + 3 * so_m, tl.where((rows >= KS) & (lo_r < tl.maximum(KS, 1)), sk, nan).to(ty), mask=row_ok)
-        if HAS_VISION:
-            vc = tl.load(VC + qstart + local, mask=row_ok, other=0.0)
-            if LOCAL:
-                vc = vcnt
-            tl.store(base + 4 * so_m, tl.where(vc > 0, vis, nan).to(ty), mask=row_ok)
-            tl.store(base + 5 * so_m, tl.where(vc > 0, vis / tl.maximum(vc / nvis, 1e-30), nan).to(ty),
+        tl.store(base, ent.to(ty), mask=row_ok)
+        if ROW_NORM >= 0:
+            tl.store(base + ROW_NORM * so_m, tl.where(nvis > 1.0, ent / tl.log(tl.maximum(nvis, 2.0)), nan).to(ty),
                      mask=row_ok)
-        else:
-            tl.store(base + 4 * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
-            tl.store(base + 5 * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
+        tl.store(base + ROW_S0 * so_m, tl.where((rows >= KS) & (lo_r == 0), s0, nan).to(ty), mask=row_ok)
+        tl.store(base + ROW_SK * so_m, tl.where((rows >= KS) & (lo_r < tl.maximum(KS, 1)), sk, nan).to(ty),
+                 mask=row_ok)
+        if ROW_VIS >= 0:
+            if HAS_VISION:
+                vc = tl.load(VC + qstart + local, mask=row_ok, other=0.0)
+                if LOCAL:
+                    vc = vcnt
+                tl.store(base + ROW_VIS * so_m, tl.where(vc > 0, vis, nan).to(ty), mask=row_ok)
+                tl.store(base + (ROW_VIS + 1) * so_m, tl.where(vc > 0, vis / tl.maximum(vc / nvis, 1e-30), nan).to(ty),
+                         mask=row_ok)
+            else:
+                tl.store(base + ROW_VIS * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
+                tl.store(base + (ROW_VIS + 1) * so_m, tl.full([BLOCK_M], nan, tl.float32).to(ty), mask=row_ok)
         nf32 = N * 1.0
         lof = lo_r.to(tl.float32)
         n_ctx = tl.maximum(nf32 - lof, 0.0)  # visible prompt keys
@@ -311,9 +319,9 @@ if triton is not None:
         genm = gen / tl.maximum(rf - tl.maximum(lof, nf32) + 1.0, 1.0)  # keys max(lo, N)..i
         tot = ctxm + genm
         lb_ok = (rows >= N) & (n_ctx > 0) & (tot > 0)
-        tl.store(base + 6 * so_m, tl.where(lb_ok, ctxm / tl.where(tot > 0, tot, 1.0), nan).to(ty), mask=row_ok)
-        if HAS_SINKS:
-            tl.store(base + 7 * so_m, tl.where(snk > -1e30, learned, nan).to(ty), mask=row_ok)  # -inf: no sink
+        tl.store(base + ROW_LB * so_m, tl.where(lb_ok, ctxm / tl.where(tot > 0, tot, 1.0), nan).to(ty), mask=row_ok)
+        if HAS_SINKS:  # -inf: a layer without sinks in a launch with them
+            tl.store(base + ROW_SINK * so_m, tl.where(snk > -1e30, learned, nan).to(ty), mask=row_ok)
 
 
     @triton.jit
@@ -603,7 +611,8 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
                        key_cache: torch.Tensor, key_slots: torch.Tensor, cu_keys: torch.Tensor,
                        prompt_lens: torch.Tensor, max_rows: int, scale: float, sink_tokens: int,
                        vision_mask: torch.Tensor | None, vision_count: torch.Tensor | None,
-                       out: torch.Tensor, terms: Terms | None = None) -> torch.Tensor:
+                       out: torch.Tensor, terms: Terms | None = None,
+                       rows: tuple[str, ...] | None = None) -> torch.Tensor:
     """Rows of several live requests, each against its keys in vLLM's paged cache, into a per-slot buffer.
 
     Request b's query rows are positions ``first[b] ..`` (``cu_rows[b+1] - cu_rows[b]`` of them) at rows
@@ -611,10 +620,11 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     slots ``key_slots[cu_keys[b]:cu_keys[b+1]]`` of ``key_cache [blocks, block_size, Hkv, D]`` (any
     strides: a view of vLLM's KV cache, or a tap viewed with block size 1); ``e`` is the last row's
     position + 1.  Row i's metrics go to ``out[slot of position i, metric, head]`` (``out [S, 7, Hq]``,
-    float16 or float32).  ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the
+    float16 or float32; ``out [S, len(rows), Hq]`` with the metrics ``rows`` only, see :func:`_rows_at`).  ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the
     number of vision keys up to each row (``cu_rows``).  Enqueued on the current stream, no host sync."""
     _launch(q_ring, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens, terms=terms)
+            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens, terms=terms,
+            rows=rows)
     return out
 
 
@@ -623,13 +633,13 @@ def row_metrics_stream_layers(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_row
                               key_slots: torch.Tensor, cu_keys: torch.Tensor, prompt_lens: torch.Tensor,
                               max_rows: int, scale: float, sink_tokens: int, vision_mask: torch.Tensor | None,
                               vision_count: torch.Tensor | None, out: torch.Tensor,
-                              terms: Terms | None = None) -> torch.Tensor:
+                              terms: Terms | None = None, rows: tuple[str, ...] | None = None) -> torch.Tensor:
     """:func:`row_metrics_stream` for every layer of ``q_ring [L, R, Hq, D]`` and ``out [L, S, 7, Hq]`` in one
     launch: layer l's keys are ``key_caches[l]`` (one shape, dtype and strides), which lies
     ``key_offsets[l]`` elements from ``key_caches[0]`` (see :func:`key_offsets`)."""
     _launch(q_ring[0], q_rows, cu_rows, first, key_caches[0], key_slots, cu_keys, prompt_lens, vision_mask,
             vision_count, out[0], out.stride(1), out.stride(2), out.stride(3), True, max_rows, scale, sink_tokens,
-            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)), terms=terms)
+            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)), terms=terms, rows=rows)
     return out
 
 
@@ -734,13 +744,31 @@ def _terms(key: tuple, device: str) -> Terms | None:
                  has_cap=any(c for _, _, c, *_ in key))
 
 
+def _rows_at(names: tuple[str, ...] | None) -> dict[str, int]:
+    """The kernel's ROW_* switches for metric rows ``names`` in that order (None: every metric in
+    :data:`attn_otel.attention.METRICS` order): entropy first, vision_share_norm right after vision_share."""
+    from .attention import METRICS
+
+    names = tuple(METRICS) if names is None else tuple(names)
+    if names[0] != "entropy" or any(n not in METRICS for n in names):
+        raise ValueError(f"metric rows {names}: entropy first, names from {METRICS}")
+    at = {n: i for i, n in enumerate(names)}
+    if ("vision_share" in at) != ("vision_share_norm" in at) or (
+            "vision_share" in at and at["vision_share_norm"] != at["vision_share"] + 1):
+        raise ValueError(f"metric rows {names}: vision_share_norm must follow vision_share")
+    return dict(ROW_NORM=at.get("entropy_norm", -1), ROW_S0=at["sink_mass_first"], ROW_SK=at["sink_mass_k"],
+                ROW_VIS=at.get("vision_share", -1), ROW_LB=at["lookback_ratio"],
+                ROW_SINK=at.get("learned_sink_mass", -1))
+
+
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
             out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None,
-            terms: Terms | None = None) -> None:
+            terms: Terms | None = None, rows: tuple[str, ...] | None = None) -> None:
     """``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
     are then layer 0's, ``key_cache`` layer 0's cache and ``key_offsets`` each layer's element offset from
     it, int64 on the device).  ``terms``: the layers' attention terms (:func:`terms`), None for plain
-    layers; with learned sinks ``out`` has an eighth metric row (``so_m`` apart), learned_sink_mass."""
+    layers; with learned sinks ``out`` has an eighth metric row (``so_m`` apart), learned_sink_mass.  ``rows``:
+    the metrics ``out`` keeps along its metric axis, in that order (None: all, in METRICS order)."""
     hq, d = q.shape[1], q.shape[2]
     hkv = key_cache.shape[2]
     split = split_head_dim(d)
@@ -758,13 +786,18 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
         raise ValueError(f"terms of {terms.window.shape[0]} layers for a launch of {n_layers}")
     win, chk, cap = (terms.window, terms.chunk, terms.cap) if terms is not None else (out, out, out)  # unused
     sinks = terms.sinks if terms is not None and terms.sinks is not None else out
+    at = _rows_at(rows)
+    if has_vision and at["ROW_VIS"] < 0:
+        raise ValueError("a vision mask for metric rows without the vision pair")
+    if terms is not None and terms.sinks is not None and at["ROW_SINK"] < 0:
+        raise ValueError("learned sinks for metric rows without learned_sink_mass")
     _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out, koff,
                        win, chk, cap, sinks, int(sink_tokens), float(scale), int(key_cache.shape[1]), heads, hq // hkv, hq // heads,
                        sq_l, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                        so_l, so_r, so_m, so_h,
                        HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None,
                        LOCAL=terms is not None and terms.local, HAS_CAP=terms is not None and terms.has_cap,
-                       HAS_SINKS=terms is not None and terms.sinks is not None, HG=hg, D=split[0],
+                       HAS_SINKS=terms is not None and terms.sinks is not None, **at, HG=hg, D=split[0],
                        D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 

@@ -706,6 +706,15 @@ def _plan(runner, config, specs, layers, par=None):
     return maps, streamed, from_cache, rows
 
 
+def _takes_images(runner) -> bool:
+    """Whether the served model takes images (else the stream keeps no vision rows per token); True where
+    unknown."""
+    try:
+        return bool(runner.vllm_config.model_config.is_multimodal_model)
+    except Exception:  # noqa: BLE001
+        return True
+
+
 def _map_tap_rows(config) -> int:
     return int(config.map_tap_tokens or config.max_map_tokens)
 
@@ -734,7 +743,7 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
             # full-attention group, so its layers will keep a Q/K tap by attn-otel's own table (_window_groups)
             maps, streamed = tuple(s.index for s in specs), []
         tapped = [s for s in specs if s not in streamed]
-        tap = capture_bytes_per_token(tapped, streamed, from_cache, dtype)
+        tap = capture_bytes_per_token(tapped, streamed, from_cache, dtype, _takes_images(runner))
         ring = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
         mapped = [s for s in streamed if s.index in maps]
         if mapped:  # the map tap: a fixed number of rows (its slot table counted per token below)
@@ -822,7 +831,7 @@ def _install(runner, kv_cache_config) -> None:
                 else:
                     keys[s.index] = view
         stream = MetricsStream(streamed, num_slots, rows, dtype, runner.device, block_sizes[streamed[0].group],
-                               config.sink_tokens, keys)
+                               config.sink_tokens, keys, vision=_takes_images(runner))
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")

@@ -98,7 +98,8 @@ class Toy:
         side.begin()  # as the engine's finish path does before its gather on the side stream
         with side.context():
             got = {r: self.stream.gather(torch.from_numpy(slots_of(self.t[r].block_ids[0], BS, 0,
-                                                                   self.t[r].written)).to(self.device))
+                                                                   self.t[r].written)).to(self.device),
+                                         torch.arange(self.t[r].written, device=self.device))
                    for r in finished}
         if got and side.stream is not None:
             torch.cuda.current_stream().wait_stream(side.stream)  # check() reads them on this stream
@@ -251,8 +252,11 @@ def test_a_step_larger_than_the_ring_marks_its_requests_lost():
 
 
 def test_sizes():
+    # per slot: entropy, two sink masses, lookback, and the vision pair for a model that takes images
+    # (entropy_norm is derived at the finish: test_gather_derives_entropy_norm_under_windows_and_chunks)
     per = MetricsStream.bytes_per_token(LAYERS, True, torch.bfloat16)
-    assert per == 3 * 7 * H * 2 + 8
+    assert per == 3 * 6 * H * 2 + 8
+    assert MetricsStream.bytes_per_token(LAYERS, True, torch.bfloat16, vision=False) == 3 * 4 * H * 2 + 8
     assert MetricsStream.bytes_per_token(LAYERS, False, torch.bfloat16) == per + 3 * HKV * D * 2
     assert MetricsStream.ring_bytes(LAYERS, 100, torch.bfloat16) == 3 * 101 * H * D * 2
     toy = Toy(rows=100, keys_in_cache=False)
@@ -403,3 +407,31 @@ def test_slots_many_equals_slots_of_per_request():
         assert cu[-1] == sum(ends) == flat.shape[0]
         for b, blk in enumerate(blocks):
             np.testing.assert_array_equal(flat[cu[b]:cu[b + 1]], slots_of(blk, bs, 0, ends[b]))
+
+
+def test_gather_derives_entropy_norm_under_windows_and_chunks():
+    """The per-slot buffer keeps no entropy_norm: gather puts the kept rows in their places and derives it as
+    the kernel computes it, entropy / ln n_i with n_i the keys row i sees under each layer's window or chunks
+    (NaN where n_i = 1), and leaves a text model's vision pair NaN."""
+    from attn_otel.attention import METRICS
+    from attn_otel.tap import LayerSpec
+
+    base = dict(num_heads=H, num_kv_heads=HKV, head_dim=D, scale=0.1)
+    layers = [LayerSpec(index=0, name="l0", **base), LayerSpec(index=1, name="l1", window=5, **base),
+              LayerSpec(index=2, name="l2", chunk=8, **base)]
+    st = MetricsStream(layers, 64, 16, torch.bfloat16, "cpu", BS, 4, vision=False)
+    assert st.slot_rows == ("entropy", "sink_mass_first", "sink_mass_k", "lookback_ratio")
+    g = torch.Generator().manual_seed(0)
+    st.metrics.copy_((torch.rand(st.metrics.shape, generator=g) * 3).to(torch.float16))
+    slots = torch.randperm(64, generator=g)[:20]
+    pos = torch.arange(20)
+    got = st.gather(slots, pos)
+    assert got.shape == (3, 20, 7, H)
+    kept = st.metrics[:, slots].float()
+    for i, name in enumerate(st.slot_rows):
+        torch.testing.assert_close(got[:, :, METRICS.index(name)].float(), kept[:, :, i], rtol=0, atol=0)
+    assert torch.isnan(got[:, :, METRICS.index("vision_share")]).all()
+    ent = kept[:, :, 0]
+    for li, n_vis in enumerate([pos + 1, torch.clamp(pos + 1, max=5), pos % 8 + 1]):
+        want = torch.where(n_vis[:, None] > 1, ent[li] / torch.log(n_vis.float().clamp(min=2))[:, None], torch.nan)
+        torch.testing.assert_close(got[li, :, 1].float(), want, rtol=1e-3, atol=1e-3, equal_nan=True)

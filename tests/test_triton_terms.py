@@ -102,7 +102,8 @@ def cases(device: str) -> dict[str, dict]:
         res[f"slots/request{b}"] = _compare(out[:, :, a:z], ref)
 
     # the stream's flush (row_metrics_stream_layers): three layers of different terms in one launch, keys in
-    # paged caches (blocks of 16, shuffled), rows from position ``first`` on, written by slot
+    # paged caches (blocks of 16, shuffled), rows from position ``first`` on, written by slot, only the metrics
+    # a text model's per-slot buffer keeps (attn_otel.stream.slot_rows: no entropy_norm, no vision pair)
     L, BS, blocks = 3, 16, 64
     layer_terms = [(0, 0, 5.0, SINKS), (0, 0, 0.0, None), (0, 0, 0.0, [1.0, -1.0, 2.0, 0.0])]
     caches = (torch.randn(L, blocks, BS, hkv, d, generator=g) * 1.5).to(dt).to(dev)
@@ -112,23 +113,29 @@ def cases(device: str) -> dict[str, dict]:
     R = 128
     q_ring = (torch.randn(L, R + 1, hq, d, generator=g) * 1.5).to(dt).to(dev)
     ring_rows = torch.randperm(R, generator=g)[: Tr - first].to(dev)
-    metrics = torch.full((L, blocks * BS + 1, 8, hq), float("nan"), dtype=torch.float32, device=dev)
+    from attn_otel.attention import METRICS
+    from attn_otel.stream import slot_rows
+
+    kept = slot_rows([_spec(*lt, hq) for lt in layer_terms], vision=False)
+    assert kept == ("entropy", "sink_mass_first", "sink_mass_k", "lookback_ratio", "learned_sink_mass")
+    metrics = torch.full((L, blocks * BS + 1, len(kept), hq), float("nan"), dtype=torch.float32, device=dev)
     offs = tm.key_offsets([caches[i] for i in range(L)])
     i32 = dict(dtype=torch.int32, device=dev)
     tm.row_metrics_stream_layers(
         q_ring, ring_rows, torch.tensor([0, Tr - first], **i32), torch.tensor([first], **i32),
         [caches[i] for i in range(L)], torch.tensor(offs, dtype=torch.int64, device=dev), key_slots,
         torch.tensor([0, Tr], **i32), torch.tensor([60], **i32), Tr - first, scale, 4, None, None, metrics,
-        terms=tm.terms([_spec(*lt, hq) for lt in layer_terms], dev))
+        terms=tm.terms([_spec(*lt, hq) for lt in layer_terms], dev), rows=kept)
     for li, lt in enumerate(layer_terms):
         kk = caches[li].reshape(-1, hkv, d)[key_slots].float()
         qq = torch.zeros(Tr, hq, d, device=dev)
         qq[first:] = q_ring[li][ring_rows].float()
         ref = attention_metrics(qq, kk, scale, 60, 4, start=first, **_ref_terms(*lt, dev))[:, :, first:]
-        got = metrics[li][key_slots[first:]].permute(1, 2, 0)  # [8, H, rows]
-        if lt[3] is None:  # a layer without sinks in a launch with them: its eighth row stays NaN
-            assert torch.isnan(got[7]).all()
-            got = got[:7]
+        ref = ref[[METRICS.index(n) for n in kept]]
+        got = metrics[li][key_slots[first:]].permute(1, 2, 0)  # [kept, H, rows]
+        if lt[3] is None:  # a layer without sinks in a launch with them: its learned sink row stays NaN
+            assert torch.isnan(got[-1]).all()
+            got, ref = got[:-1], ref[:-1]
         res[f"stream/layer{li}"] = _compare(got, ref)
     return res
 
@@ -173,8 +180,13 @@ def test_the_kernel_compiles_for_an_h100(flags):
 
     fn = tm._row_metrics
     layered, local, cap, sinks, vision, by_slot = flags
+    # the stream's per-slot rows (a text model's, or one that takes images) or every metric
+    from attn_otel.stream import slot_rows
+
+    rows = slot_rows([_spec(0, 0, 0.0, [0.0] if sinks else None, 4)], vision) if by_slot else None
     consts = dict(HAS_VISION=vision, OUT_BY_SLOT=by_slot, LAYERED=layered, LOCAL=local, HAS_CAP=cap,
-                  HAS_SINKS=sinks, HG=4, D=64, D2=0, BLOCK_R=32, BLOCK_N=128)
+                  HAS_SINKS=sinks, **tm._rows_at(rows), HG=4, D=64, D2=0, BLOCK_R=32, BLOCK_N=128)
+    assert set(consts) <= set(fn.arg_names)
     ptrs = {"Q": "*bf16", "K": "*bf16", "QR": "*i64", "KSL": "*i64", "KOFF": "*i64", "VM": "*fp32", "VC": "*fp32",
             "OUT": "*fp16" if by_slot else "*fp32", "CAPP": "*fp32", "SINKP": "*fp32", "scale": "fp32",
             **{p: "*i32" for p in ("CUQ", "A", "CUK", "NP", "WINP", "CHP")}}
