@@ -121,6 +121,29 @@ def capture_bytes_per_token(tapped: Sequence[LayerSpec], streamed: Sequence[Laye
     return per
 
 
+def kv_budget(available: int, kv_per_token: float, specs: Sequence[LayerSpec], maps: Sequence[int],
+              streamed: Sequence[LayerSpec], keys_from_cache: bool, rows: int, dtype: torch.dtype, vision: bool,
+              map_tap_rows: int) -> tuple[int, int, int, list, list, list]:
+    """vLLM's KV-cache budget (``available`` bytes, ``kv_per_token`` bytes a token over every layer) once the
+    capture has its share, as the engine sizes it before the KV-cache groups are known: the stream's query
+    ring of ``rows`` and the map tap's fixed rows come off first, then tokens shrink by
+    ``kv / (kv + capture bytes per token)``.  Returns (budget, capture bytes per token, fixed bytes, Q/K-tapped
+    layers, streamed layers, streamed map layers).  ``bench/kv_capacity.py`` runs it on production shapes."""
+    if streamed and all(s.local for s in specs):
+        # a model whose every layer has a window or chunks has no full-attention group: its layers will keep a
+        # Q/K tap by attn-otel's own table (vllm_adapter._window_groups)
+        maps, streamed = tuple(s.index for s in specs), []
+    tapped = [s for s in specs if s not in streamed]
+    tap = capture_bytes_per_token(tapped, streamed, keys_from_cache, dtype, vision)
+    fixed = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
+    mapped = [s for s in streamed if s.index in maps]
+    if mapped:  # the map tap: a fixed number of rows (its slot table counted per token)
+        fixed += MapTap.nbytes_for(mapped, map_tap_rows, 0, dtype)
+        tap += 8
+    scaled = int(max(0, available - fixed) * kv_per_token / (kv_per_token + tap))
+    return scaled, tap, fixed, tapped, list(streamed), mapped
+
+
 @dataclasses.dataclass
 class _Planned:
     """A request planned for maps: its map-tap row per position (-1: none yet), the slots pointed at them."""

@@ -724,9 +724,8 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
     """Give the tap its share of the KV budget: KV tokens shrink by kv/(kv + tap) per token."""
     available = orig(worker, *args, **kwargs)
     try:
-        from .tap import capture_bytes_per_token
+        from .tap import kv_budget
         from .config import Config
-        from .stream import MetricsStream
 
         runner = worker.model_runner
         config = Config.from_env()
@@ -738,20 +737,9 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
             kv_per_token += spec.page_size_bytes / spec.block_size
         dtype = _model_dtype(runner)
         maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs))
-        if streamed and all(s.local for s in specs):
-            # KV-cache groups are not known yet: a model whose every layer has a window or chunks has no
-            # full-attention group, so its layers will keep a Q/K tap by attn-otel's own table (_window_groups)
-            maps, streamed = tuple(s.index for s in specs), []
-        tapped = [s for s in specs if s not in streamed]
-        tap = capture_bytes_per_token(tapped, streamed, from_cache, dtype, _takes_images(runner))
-        ring = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
-        mapped = [s for s in streamed if s.index in maps]
-        if mapped:  # the map tap: a fixed number of rows (its slot table counted per token below)
-            from .tap import MapTap
-
-            ring += MapTap.nbytes_for(mapped, _map_tap_rows(config), 0, dtype)
-            tap += 8
-        scaled = int(max(0, available - ring) * kv_per_token / (kv_per_token + tap))
+        scaled, tap, ring, tapped, streamed, mapped = kv_budget(
+            available, kv_per_token, specs, maps, streamed, from_cache, rows, dtype, _takes_images(runner),
+            _map_tap_rows(config))
         logger.info("attn-otel: capture takes %d B per token beside %d B of KV cache (%d layers with a Q/K tap, "
                     "%d streamed with a %d-row query ring, %d of them map layers, ring and map tap %.2f GiB); KV "
                     "budget %.2f -> %.2f GiB", tap, int(kv_per_token), len(tapped), len(streamed),

@@ -388,3 +388,28 @@ def test_the_numpy_reference_and_the_torch_metrics_agree_under_windows_chunks_an
     for name, rows in want.items():
         np.testing.assert_allclose(got[METRICS.index(name)], rows, atol=2e-5, equal_nan=True, err_msg=name)
     assert np.isnan(want["sink_mass_first"][:, 20:]).all() or "window" not in terms  # the first key out of view
+
+
+def test_the_kv_budget_streams_windowed_layers_with_a_k_tap_and_taps_all_window_models():
+    """attn_otel.tap.kv_budget (the engine's sizing, before the KV-cache groups are known): a windowed layer
+    beside full ones is streamed and pays a K-only tap per token besides its metric rows; a model whose every
+    layer has a window will tap Q and K by attn-otel's own table, and pays that."""
+    from attn_otel.stream import MetricsStream
+    from attn_otel.tap import QKTap, kv_budget
+
+    base = dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, scale=SCALE)
+    full = LayerSpec(index=0, name="l0", **base)
+    win = LayerSpec(index=1, name="l1", window=16, **base)
+    kv, avail, dt = 2 * 2 * HKV * D * 2, 2 ** 30, torch.bfloat16
+    scaled, tap, fixed, tapped, streamed, mapped = kv_budget(avail, kv, [full, win], (), [full, win], True, 64, dt,
+                                                            False, 128)
+    assert tapped == [] and streamed == [full, win] and mapped == []
+    rows = 4 * HQ * 2  # entropy, two sink masses, lookback: float16
+    assert tap == 2 * rows + 8 + HKV * D * 2  # the windowed layer's keys are tapped, the full one's read
+    assert fixed == MetricsStream.ring_bytes([full, win], 64, dt)
+    assert scaled == int((avail - fixed) * kv / (kv + tap))
+    win0 = LayerSpec(index=0, name="l0", window=16, **base)
+    scaled, tap, fixed, tapped, streamed, mapped = kv_budget(avail, kv, [win0, win], (), [win0, win], True, 64, dt,
+                                                            False, 128)
+    assert streamed == [] and tapped == [win0, win] and fixed == 0
+    assert tap == QKTap.bytes_per_token([win0, win], dt)

@@ -1,0 +1,130 @@
+"""KV-cache capacity with attn-otel on production model shapes, computed by the sizing code the engine runs.
+
+At start-up attn-otel takes its share of vLLM's KV-cache budget (``attn_otel.tap.kv_budget``, called by
+``vllm_adapter._scale_available_memory``): the stream's query ring (one scheduler step of queries per streamed
+layer) and the map tap's fixed rows come off the budget, then KV tokens shrink by ``kv / (kv + capture bytes
+per token)``.  This script runs that same function on layer specs built from the models' published configs
+(no engine, no GPU), for ``ATTN_OTEL=1`` alone (``default``: 4 layers, maps for 1% on them) and for all layers,
+and beside it the rule before 2026-11-26 (every layer with a window, soft-cap or sinks kept a Q/K tap; seven
+float16 metric rows a token per streamed layer).  Check of the method: run 14 measured 0.832 for all layers
+of the Llama-3-8B shape on an H100, where the earlier rule computes 0.833 here.
+
+The budget a model leaves for its KV cache depends on the deployment; each shape below names the one assumed
+(one H100 80GB at ``gpu_memory_utilization=0.9``, bf16 weights unless said).  The per-token factor does not
+depend on it; the fixed part (``fixed_gib``) does, and weighs most where the budget is small.
+
+    python3 bench/kv_capacity.py [--out docs/benchmarks/kv-capacity.json] [--step 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from attn_otel.config import AUTO_LAYERS, resolve_layers, resolve_map_layers  # noqa: E402
+from attn_otel.stream import DEFAULT_ROWS, MetricsStream  # noqa: E402
+from attn_otel.tap import LayerSpec, MapTap, QKTap, kv_budget  # noqa: E402
+
+GIB = 2 ** 30
+# name: layers, query heads, KV heads, head_dim, which layers have a window (and how wide), sinks, chunks,
+# soft-cap, takes images, the KV budget assumed (GiB) and where it comes from
+SHAPES = {
+    "Llama-3-8B": dict(layers=32, hq=32, hkv=8, d=128, window=None, sinks=False, chunk=None, cap=0.0, vision=False,
+                       budget=58.0, budget_from="run 14's measured budget (H100 80GB, 0.9, bf16 weights)"),
+    "gpt-oss-120b": dict(layers=36, hq=64, hkv=8, d=64, window=(128, lambda i: i % 2 == 0), sinks=True, chunk=None,
+                         cap=0.0, vision=False, budget=9.0,
+                         budget_from="assumed: one H100 80GB at 0.9 less MXFP4 weights (~61 GiB) and activations"),
+    "Gemma-3-27B": dict(layers=62, hq=32, hkv=16, d=128, window=(1024, lambda i: (i + 1) % 6 != 0), sinks=False,
+                        chunk=None, cap=0.0, vision=True, budget=14.0,
+                        budget_from="assumed: one H100 80GB at 0.9 less bf16 weights (~54 GiB) and activations"),
+    # one rank of tensor parallel 2: half of the 40 query and 8 KV heads
+    "Llama-4-Scout": dict(layers=48, hq=20, hkv=4, d=128, window=None, sinks=False,
+                          chunk=(8192, lambda i: (i + 1) % 4 != 0), cap=0.0, vision=True, budget=16.0,
+                          budget_from="assumed: one rank of tensor parallel 2 on two H100 80GB at 0.9, fp8 weights "
+                                      "(~51 GiB a rank)"),
+}
+
+
+def specs_of(shape: dict) -> list[LayerSpec]:
+    out = []
+    for i in range(shape["layers"]):
+        window = shape["window"][0] if shape["window"] and shape["window"][1](i) else 0
+        chunk = shape["chunk"][0] if shape["chunk"] and shape["chunk"][1](i) else 0
+        sinks = (0.0,) * shape["hq"] if shape["sinks"] else None
+        out.append(LayerSpec(index=i, name=f"layers.{i}.attn", num_heads=shape["hq"], num_kv_heads=shape["hkv"],
+                             head_dim=shape["d"], scale=shape["d"] ** -0.5, window=window, chunk=chunk,
+                             sinks=sinks, soft_cap=shape["cap"]))
+    return out
+
+
+def before(available, kv, captured, maps, rows, dtype, map_rows) -> tuple[int, int, int]:
+    """The rule before 2026-11-26: layers with any term kept a Q/K tap (and were map layers); plain ones were
+    streamed with seven float16 rows a token (eight with sinks: never, sinks were a term) and keys from the
+    cache; the ring and the map tap as now."""
+    streamed = [s for s in captured if s.plain]
+    tapped = [s for s in captured if not s.plain]
+    tap = QKTap.bytes_per_token(tapped, dtype)
+    if streamed:
+        tap += sum(7 * s.num_heads * 2 for s in streamed) + 8
+    fixed = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
+    mapped = [s for s in streamed if s.index in maps]
+    if mapped:
+        fixed += MapTap.nbytes_for(mapped, map_rows, 0, dtype)
+        tap += 8
+    return int(max(0, available - fixed) * kv / (kv + tap)), tap, fixed
+
+
+def measure(name: str, shape: dict, step: int) -> dict:
+    dtype = torch.bfloat16
+    specs = specs_of(shape)
+    kv = sum(2 * s.num_kv_heads * s.head_dim * 2 for s in specs)  # bf16 K and V, every layer's page per token
+    available = int(shape["budget"] * GIB)
+    rows = max(DEFAULT_ROWS, step)
+    map_rows = 8192  # ATTN_OTEL_MAP_TAP_TOKENS's default: ATTN_OTEL_MAX_MAP_TOKENS
+    res = {"kv_bytes_per_token": kv, "budget_gib": shape["budget"], "budget_from": shape["budget_from"],
+           "layers_with_window": sum(1 for s in specs if s.window), "layers_with_chunks": sum(1 for s in specs if s.chunk),
+           "sinks": shape["sinks"], "takes_images": shape["vision"], "configs": {}}
+    for config, selection in (("default", "auto"), ("all_layers", "all")):
+        captured = [specs[i] for i in resolve_layers(selection, len(specs))]
+        maps = resolve_map_layers("auto", [s.index for s in captured])
+        scaled, tap, fixed, tapped, streamed, mapped = kv_budget(
+            available, kv, captured, maps, captured, True, rows, dtype, shape["vision"], map_rows)
+        old, old_tap, old_fixed = before(available, kv, captured, maps, rows, dtype, map_rows)
+        res["configs"][config] = {
+            "layers": [s.index for s in captured],
+            "now": {"kv_capacity": round(scaled / available, 4), "capture_bytes_per_token": tap,
+                    "per_token_factor": round(kv / (kv + tap), 4), "fixed_gib": round(fixed / GIB, 3),
+                    "qk_tapped": len(tapped), "streamed": len(streamed),
+                    "streamed_with_k_tap": sum(1 for s in streamed if s.local)},
+            "before": {"kv_capacity": round(old / available, 4), "capture_bytes_per_token": old_tap,
+                       "per_token_factor": round(kv / (kv + old_tap), 4), "fixed_gib": round(old_fixed / GIB, 3)},
+        }
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="docs/benchmarks/kv-capacity.json")
+    ap.add_argument("--step", type=int, default=16384,
+                    help="max_num_batched_tokens: the ring holds one step (vLLM 0.26's default on an H100 offline; "
+                         "8192 for `vllm serve`)")
+    args = ap.parse_args()
+    out = {"method": "attn_otel.tap.kv_budget on layer specs of the published configs (no engine)",
+           "step_tokens": args.step, "auto_layers": AUTO_LAYERS,
+           "models": {name: measure(name, shape, args.step) for name, shape in SHAPES.items()}}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"{'model':<15} {'config':<11} {'before':>7} {'now':>7} {'per-token':>9} {'fixed GiB':>9}")
+    for name, m in out["models"].items():
+        for config, c in m["configs"].items():
+            print(f"{name:<15} {config:<11} {c['before']['kv_capacity']:>7.3f} {c['now']['kv_capacity']:>7.3f} "
+                  f"{c['now']['per_token_factor']:>9.3f} {c['now']['fixed_gib']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
