@@ -694,8 +694,8 @@ def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = N
     # group's slots (see _window_groups), never reading its own freed blocks.  The map layers among the streamed
     # ones also keep the queries of the requests planned for maps (attn_otel.tap.MapTap).  (Under pipeline
     # parallelism only this stage's own-table layers are known here.)
-    if stream_local is None:
-        stream_local = _LOCAL_STREAMED.get(id(runner), True)
+    if stream_local is None:  # the install: the sizing's choice, taken once (a later runner may reuse the id)
+        stream_local = _LOCAL_STREAMED.pop(id(runner), True)
     # Where the KV budget is small, the ring of streamed windowed layers can cost more than their Q/K tap: then
     # they keep the tap (the sizing compares both, bench/kv_capacity.py shows where).
     own = {s.index for s in specs if s.own_group >= 0 or (s.local and not stream_local)}
