@@ -3,8 +3,9 @@ feeds it tensors and request views, so it is tested without an engine as well as
 
 Data goes one way::
 
-    device capture        stream.MetricsStream (every layer but windowed ones), tap.MapTap (their queries, for
-                          the requests planned for maps), tap.QKTap (windowed and chunked layers), in-graph
+    device capture        stream.MetricsStream (streamed layers), tap.MapTap (their queries, for the requests
+                          planned for maps), tap.QKTap (windowed layers of all-window models, and windowed
+                          layers where the KV budget favours the tap: vllm_adapter._plan), in-graph
     -> finish             plan.Planner decides each finished request's capture, then either
                           finish.BatchedMetrics (GPU, metrics only: a few launches on the engine loop) or
                           compute.ComputeThread (maps, and the CPU: a thread of its own)
