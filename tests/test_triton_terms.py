@@ -137,11 +137,29 @@ def cases(device: str) -> dict[str, dict]:
             assert torch.isnan(got[-1]).all()
             got, ref = got[:-1], ref[:-1]
         res[f"stream/layer{li}"] = _compare(got, ref)
+
+    # the same flush for a model that takes images: the per-slot rows keep the vision pair; a request with an
+    # image, one layer at a time (row_metrics_stream), a plain layer and a windowed one with sinks
+    vm = torch.zeros(Tr, device=dev)
+    vm[20:70] = 1.0  # an image at positions 20..69
+    vc = torch.cumsum(vm, 0)[first:]  # image keys up to each pending row
+    for name, lt in (("plain", (0, 0, 0.0, None)), ("window_sinks", (24, 0, 0.0, SINKS))):
+        kept = slot_rows([_spec(*lt, hq)], vision=True)
+        out = torch.full((blocks * BS + 1, len(kept), hq), float("nan"), dtype=torch.float32, device=dev)
+        tm.row_metrics_stream(q_ring[0], ring_rows, torch.tensor([0, Tr - first], **i32), torch.tensor([first], **i32),
+                              caches[0], key_slots, torch.tensor([0, Tr], **i32), torch.tensor([60], **i32), Tr - first,
+                              scale, 4, vm, vc, out, terms=tm.terms([_spec(*lt, hq)], dev), rows=kept)
+        kk = caches[0].reshape(-1, hkv, d)[key_slots].float()
+        qq = torch.zeros(Tr, hq, d, device=dev)
+        qq[first:] = q_ring[0][ring_rows].float()
+        ref = attention_metrics(qq, kk, scale, 60, 4, vm.bool(), start=first, **_ref_terms(*lt, dev))[:, :, first:]
+        got = out[key_slots[first:]].permute(1, 2, 0)
+        res[f"stream_vision/{name}"] = _compare(got, ref[[METRICS.index(n) for n in kept]])
     return res
 
 
 def _check(results: dict) -> None:
-    assert len(results) == 2 * len(TERMS) + 4 + 3
+    assert len(results) == 2 * len(TERMS) + 4 + 3 + 2
     bad = {k: v for k, v in results.items() if not v["nan_agree"] or v["err"] > BOUND or not v["defined"]}
     assert not bad, bad
 
