@@ -36,8 +36,9 @@ ROWS = 64
 # The per-row metrics' order along the metric axis: the summaries' own (attn_otel.metrics), so that a row index
 # here is the summary's metric index (device_summaries relies on it).
 METRICS = SUMMARY_METRICS
-# The metrics of layers without learned sinks: the Triton kernels (plain layers only) and the streamed path's
-# per-slot buffer hold these first seven, the learned sink mass (NaN there) never takes room on those paths.
+# The metrics of layers without learned sinks: where no captured layer has sinks, rows hold these first seven
+# and the learned sink mass (NaN there) takes no room (the stream's per-slot buffer keeps fewer still:
+# attn_otel.stream.slot_rows).
 KERNEL_METRICS = METRICS[:7]
 LEARNED_SINK_ROW = METRICS.index("learned_sink_mass")
 
