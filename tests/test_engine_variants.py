@@ -80,6 +80,20 @@ def test_a_model_whose_every_layer_has_a_window_is_captured_exactly_by_attn_otel
     print(f"\nall-window {which} per-layer TV vs HF eager fp32:", json.dumps(report))
 
 
+def test_a_small_kv_budget_keeps_windowed_layers_on_the_q_k_tap(tmp_path):
+    """The start-up sizing weighs streaming a windowed layer (a K-only tap, and its share of the query ring)
+    against keeping its Q/K tap, and keeps whichever leaves more KV cache.  A ring of 1.5M rows
+    (ATTN_OTEL_STREAM_ROWS; 384 MB a layer here, of a 1 GiB budget) makes the tap the better (326 MB of KV cache
+    left against 179 MB): gpt-oss's windowed layer 0 is then tapped (a map layer), its full layer 1 still
+    streamed, and every capture exact."""
+    model = build_gptoss(tmp_path / "model")
+    store, got, stderr = serve(tmp_path, model, env={"ATTN_OTEL_STREAM_ROWS": "1500000"})
+    assert got["streamed"] == [1] and 0 in got["map_layers"], (got["streamed"], got["map_layers"])
+    assert got["captured"] == len(got["requests"]) and not got["dropped"]
+    report = check_maps("gptoss", model, store, got)
+    print("\ngpt-oss with its windowed layer on the Q/K tap, per-layer TV vs HF eager fp32:", json.dumps(report))
+
+
 def bf16_attention(path: str, token_ids) -> np.ndarray:
     """transformers' eager attention with the same weights in bf16: the drift a bf16 engine is allowed."""
     import torch
