@@ -15,6 +15,9 @@ The budget a model leaves for its KV cache depends on the deployment; each shape
 depend on it; the fixed part (``fixed_gib``) does, and weighs most where the budget is small.
 
     python3 bench/kv_capacity.py [--out docs/benchmarks/kv-capacity.json] [--step 16384]
+
+writes the JSON and, beside it, a bar chart (``kv-capacity.png``: before and now, default and all layers, for
+the step given and for 8,192-token steps).
 """
 
 from __future__ import annotations
@@ -115,6 +118,43 @@ def measure(name: str, shape: dict, step: int) -> dict:
     return res
 
 
+def plot(models: dict, serve: dict | None, step: int, path: Path) -> None:
+    """Bars of KV capacity (ratio to capture off) per model: before and now, default and all layers; the
+    8,192-token figures (``serve``) as ticks on the "now" bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(models)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    for ax, config, title in zip(axes, ("default", "all_layers"), ("ATTN_OTEL=1 (4 layers)", "all layers")):
+        x = range(len(names))
+        before = [models[n]["configs"][config]["before"]["kv_capacity"] for n in names]
+        now = [models[n]["configs"][config]["now"]["kv_capacity"] for n in names]
+        ax.bar([i - 0.2 for i in x], before, 0.4, label="before 2026-11-26", color="#b0b0b0")
+        ax.bar([i + 0.2 for i in x], now, 0.4, label=f"now, {step}-token steps", color="#3b75af")
+        top = now
+        if serve is not None:
+            ticks = [serve[n]["configs"][config]["now"]["kv_capacity"] for n in names]
+            ax.scatter([i + 0.2 for i in x], ticks, marker="_", s=400, color="#d62728", zorder=3,
+                       label="now, 8192-token steps")
+            top = [max(a, b) for a, b in zip(now, ticks)]
+        for i, (v, t) in enumerate(zip(now, top)):
+            ax.text(i + 0.2, t + 0.02, f"{v:.2f}", ha="center", fontsize=8)
+        ax.axhline(0.97 if config == "default" else 0.90, color="#d62728", lw=0.8, ls="--")
+        ax.set_xticks(list(x), [n.replace("-", "-\n", 1) for n in names], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(0, 1.05)
+    axes[0].set_ylabel("KV-cache capacity, ratio to capture off")
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle("KV-cache capacity with attn-otel (computed by the engine's sizing code; dashed: issue 22's "
+                 "targets)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/benchmarks/kv-capacity.json")
@@ -126,6 +166,8 @@ def main() -> None:
            "step_tokens": args.step, "auto_layers": AUTO_LAYERS,
            "models": {name: measure(name, shape, args.step) for name, shape in SHAPES.items()}}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    serve = {name: measure(name, shape, 8192) for name, shape in SHAPES.items()} if args.step != 8192 else None
+    plot(out["models"], serve, args.step, Path(args.out).with_suffix(".png"))
     print(f"{'model':<15} {'config':<11} {'before':>7} {'now':>7} {'per-token':>9} {'fixed GiB':>9}")
     for name, m in out["models"].items():
         for config, c in m["configs"].items():
