@@ -545,8 +545,11 @@ def summary_buckets() -> list[int]:
 def warm_up_summary(block: int, dtype: torch.dtype, device: torch.device, metrics: int = 7) -> None:
     """Compile (by running it on two parts of ``block`` rows) :func:`summaries`' kernel for one bucket, row
     dtype and number of metric rows (8: learned sinks), no vision."""
+    from .metrics import SUMMARY_METRICS
+
     rows = torch.zeros((1, metrics, 1, 2 * block), dtype=dtype, device=device)
-    out = torch.empty((1, 2, 7, 4, 1, 1), dtype=torch.float32, device=device)
+    # every summary metric, as device_summaries' output has: with 8 rows the kernel writes the eighth
+    out = torch.empty((1, 2, len(SUMMARY_METRICS), 4, 1, 1), dtype=torch.float32, device=device)
     summaries(rows, [0, 2 * block], [block], False, (0.1, 0.5, 0.9), out)
 
 
