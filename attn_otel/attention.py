@@ -43,6 +43,12 @@ KERNEL_METRICS = METRICS[:7]
 LEARNED_SINK_ROW = METRICS.index("learned_sink_mass")
 
 
+def metric_width(layers) -> int:
+    """Metric rows per layer that hold ``layers``' per-row metrics: :data:`KERNEL_METRICS`, and the learned sink
+    mass where some layer has learned sinks (gpt-oss)."""
+    return len(METRICS) if any(getattr(s, "sinks", None) is not None for s in layers) else len(KERNEL_METRICS)
+
+
 def _probs(q: torch.Tensor, k: torch.Tensor, scale: float, r0: int, r1: int, soft_cap: float = 0.0,
            window: int = 0, sinks: torch.Tensor | None = None, chunk: int = 0,
            sink_share: torch.Tensor | None = None) -> torch.Tensor:

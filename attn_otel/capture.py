@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from . import triton_metrics
+from .attention import metric_width
 from .compute import ComputeThread
 from .config import Config
 from .finish import BatchedMetrics
@@ -126,8 +127,7 @@ class CaptureEngine:
         t0 = time.perf_counter()
         try:
             # rows of 8 metrics where a layer has learned sinks (learned_sink_mass), else 7
-            sinks = any(s.sinks is not None for s in self.layers)
-            launches = triton_metrics.warm_up_summaries(self.device, (7, 8) if sinks else (7,))
+            launches = triton_metrics.warm_up_summaries(self.device, tuple(sorted({7, metric_width(self.layers)})))
             if self.stream is not None:
                 launches += self.stream.warm_up()
             # one kernel variant per set of attention terms (window or chunk, soft-cap, sinks) of tapped layers

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import KERNEL_METRICS, METRICS, ROWS, attention_metrics, reconstruction_error
+from .attention import METRICS, ROWS, attention_metrics, metric_width, reconstruction_error
 from .config import Config
 from .handoff import ByteBudget, Handoff, Job
 from .hostmem import SegmentPool, Staging
@@ -185,7 +185,7 @@ class ComputeThread:
         cuda = self.device.type == "cuda"
         host = dict(pin_memory=True) if cuda else {}
         # the learned sink mass is a row of its own only where some layer has learned sinks (NaN elsewhere)
-        width = len(METRICS) if any(s.sinks is not None for s in layers) else len(KERNEL_METRICS)
+        width = metric_width(layers)
         per_row_host = torch.full((width, L, H, T), float("nan"), dtype=torch.float32, **host)
         # Maps land in a reused shared-memory segment through the pinned staging buffer, on this thread
         # (attn_otel.hostmem says why neither a pinned nor a pageable buffer per capture will do).
@@ -229,7 +229,7 @@ class ComputeThread:
             errors: list[torch.Tensor] = []
             for li, (spec, qk) in enumerate(zip(layers, p.qk)):
                 if qk is None:  # streamed: computed while the request ran
-                    got = p.streamed[self.stream.pos[spec.index]]  # [T, 7, H]: KERNEL_METRICS
+                    got = p.streamed[self.stream.pos[spec.index]]  # [T, 7 or 8, H]: see metric_width
                     per_row_host[: got.shape[1], li, : spec.num_heads].copy_(got.permute(1, 2, 0),
                                                                             non_blocking=cuda)
                     continue

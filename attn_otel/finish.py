@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import KERNEL_METRICS, METRICS
+from .attention import metric_width
 from .config import Config
 from .handoff import ByteBudget, Handoff, Job
 from .plan import Plan, Planner
@@ -113,7 +113,7 @@ class BatchedMetrics:
         self.config = config
         self.layers = list(layers)
         # metric rows per layer: the learned sink mass is a row of its own where some layer has learned sinks
-        self.width = len(METRICS) if any(s.sinks is not None for s in self.layers) else len(KERNEL_METRICS)
+        self.width = metric_width(self.layers)
         self.tap = tap
         self.stream = stream
         self.streamed = frozenset(stream.pos) if stream is not None else frozenset()

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .attention import KERNEL_METRICS, METRICS, attention_metrics
+from .attention import KERNEL_METRICS, METRICS, attention_metrics, metric_width
 from .slots import slots_many, slots_of, upload, upload_many
 
 logger = logging.getLogger("attn_otel")
@@ -509,7 +509,7 @@ class MetricsStream:
     def gather(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Per-row metrics of every streamed layer at these slots, whose tokens are at these ``positions`` of
         their requests: ``[layers, len(slots), 7, Hq]`` float16 (``[.., 8, Hq]`` where a streamed layer has
-        learned sinks: :func:`metric_width`), the kept rows (:func:`slot_rows`) put in place and
+        learned sinks: :func:`attn_otel.attention.metric_width`), the kept rows (:func:`slot_rows`) put in place and
         ``entropy_norm`` derived: the entropy over ln n_i, n_i the keys row i sees (its position + 1, or
         fewer under the layer's window or chunks; NaN where n_i = 1), as the kernel computes it."""
         return full_rows(self.metrics.index_select(1, slots), self._full_at, self.width, positions, self._window,
@@ -548,12 +548,6 @@ def slot_rows(layers: Sequence[Any], vision: bool = True) -> tuple[str, ...]:
     if metric_width(layers) > len(KERNEL_METRICS):
         rows.append("learned_sink_mass")
     return tuple(rows)
-
-
-def metric_width(layers: Sequence[Any]) -> int:
-    """Metric rows the per-slot buffer keeps per token: the kernels' seven, and the learned sink mass where a
-    streamed layer has learned sinks (gpt-oss)."""
-    return len(METRICS) if any(getattr(s, "sinks", None) is not None for s in layers) else len(KERNEL_METRICS)
 
 
 def keys_at(keys: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
