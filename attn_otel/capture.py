@@ -135,7 +135,7 @@ class CaptureEngine:
             for s in self.layers:
                 if s.index not in self.streamed:
                     t = triton_metrics.terms([s], self.device)
-                    variants.setdefault(None if t is None else (t.local, t.has_cap, t.sinks is not None), (s, t))
+                    variants.setdefault(None if t is None else t.switches, (s, t))
             for spec, terms in variants.values():
                 slots = torch.zeros(1, dtype=torch.int64, device=self.device)
                 cu = torch.tensor([0, 1], dtype=torch.int32, device=self.device)

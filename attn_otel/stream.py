@@ -574,9 +574,8 @@ class FlushKernels:
         self.sink_tokens = sink_tokens
         self.device = device
         self.fused = triton_metrics.available(device, [s.head_dim for s in layers])
-        # the layers' attention terms (soft-cap, sinks), per layer in a launch of every layer, else each own
+        # the attention terms of every layer, for a launch of them all (one layer's: triton_metrics.terms([spec]))
         self.terms = triton_metrics.terms(layers, device) if self.fused else None
-        self._own_terms = {s.index: triton_metrics.terms([s], device) for s in layers} if self.fused else {}
         self.width = metric_width(layers)
         self.rows = tuple(rows) if rows is not None else tuple(METRICS[: self.width])  # the buffer's metrics
         self._rows_idx = [METRICS.index(n) for n in self.rows]
@@ -618,7 +617,7 @@ class FlushKernels:
                 triton_metrics.row_metrics_stream(
                     self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                     max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li],
-                    terms=self._own_terms[spec.index], rows=self.rows)
+                    terms=triton_metrics.terms([spec], self.device), rows=self.rows)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -675,15 +674,14 @@ class FlushKernels:
         else:  # one launch per kernel variant the layers need: their keys' dtype and their terms' switches
             variants = {}
             for spec in self.layers:
-                t = self._own_terms[spec.index]
-                flags = None if t is None else (t.local, t.has_cap, t.sinks is not None)
-                variants.setdefault((self.keys[spec.index].dtype, self.keys[spec.index].stride(), flags), spec)
-            for spec in variants.values():
+                t = triton_metrics.terms([spec], self.device)
+                variants.setdefault((self.keys[spec.index].dtype, self.keys[spec.index].stride(),
+                                     None if t is None else t.switches), (spec, t))
+            for spec, t in variants.values():
                 li = self.pos[spec.index]
                 triton_metrics.row_metrics_stream(
                     self.q[li], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
-                    self.sink_tokens, None, None, self.metrics[li], terms=self._own_terms[spec.index],
-                    rows=self.rows)
+                    self.sink_tokens, None, None, self.metrics[li], terms=t, rows=self.rows)
             launches = len(variants)
         self.metrics[:, 0].fill_(float("nan"))
         return launches

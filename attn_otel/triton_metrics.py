@@ -139,7 +139,7 @@ if triton is not None:
         # then sum to 1 - its share, stored as an eighth metric (learned_sink_mass).
         # ROW_*: where each metric goes along OUT's metric axis (entropy at 0; -1: not stored): the metrics'
         # own order (1, 2, 3, 4 and 5, 6, 7), or the stream's per-slot rows, which leave out what the finish
-        # derives (entropy_norm; the vision pair of a text-only model): see :data:`LAYOUT`.
+        # derives (entropy_norm; the vision pair of a text-only model): see _rows_at and stream.slot_rows.
         pid_m = tl.program_id(0)
         b = tl.program_id(2)
         layer = 0
@@ -279,7 +279,6 @@ if triton is not None:
             inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)
             # entropy in nats: ln l - ln2 * sum e (s - m) / l, the sums in base 2
             ent = tl.maximum(tl.log(tl.where(l_i > 0, l_i, 1.0)) - 0.6931471805599453 * h1 * inv, 0.0)
-            learned = inv
         s0 = s0 * inv
         sk = sk * inv
         ctx = ctx * inv
@@ -583,8 +582,9 @@ def row_metrics_slots(q_tap: torch.Tensor, k_tap: torch.Tensor, slots: torch.Ten
     """Several requests' rows straight from the tap, no gather: ``q_tap [S, Hq, D]``, ``k_tap [S, Hkv, D]``
     (any rows), request b's tokens at ``slots[cu_tokens[b]:cu_tokens[b+1]]`` (int64, on the device),
     ``prompt_lens [B]`` int32 -> ``out [7, Hq, sum T]`` float32 (request b's rows in its ``cu_tokens``
-    range; ``[8, ..]`` where ``terms`` has learned sinks: the layer's attention terms, :func:`terms`).  ``vision_mask`` is float32 ``[sum T]`` (concatenated per request) or None.  Nothing here
-    syncs with the host: it can be enqueued on the engine's stream."""
+    range; ``[8, ..]`` where ``terms``, the layer's attention terms (:func:`terms`), has learned sinks).
+    ``vision_mask`` is float32 ``[sum T]`` (concatenated per request) or None.  Nothing here syncs with the
+    host: it can be enqueued on the engine's stream."""
     hq = q_tap.shape[1]
     total = slots.shape[0]
     B = cu_tokens.shape[0] - 1
@@ -623,8 +623,9 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     slots ``key_slots[cu_keys[b]:cu_keys[b+1]]`` of ``key_cache [blocks, block_size, Hkv, D]`` (any
     strides: a view of vLLM's KV cache, or a tap viewed with block size 1); ``e`` is the last row's
     position + 1.  Row i's metrics go to ``out[slot of position i, metric, head]`` (``out [S, 7, Hq]``,
-    float16 or float32; ``out [S, len(rows), Hq]`` with the metrics ``rows`` only, see :func:`_rows_at`).  ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the
-    number of vision keys up to each row (``cu_rows``).  Enqueued on the current stream, no host sync."""
+    float16 or float32; ``out [S, len(rows), Hq]`` with the metrics ``rows`` only, see :func:`_rows_at`).
+    ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the number of vision keys up to
+    each row (``cu_rows``).  Enqueued on the current stream, no host sync."""
     _launch(q_ring, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
             out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens, terms=terms,
             rows=rows)
@@ -717,22 +718,27 @@ class Terms:
     has_cap: bool
 
     @property
+    def switches(self) -> tuple[bool, bool, bool]:
+        """The kernel's compile-time switches these terms set (LOCAL, HAS_CAP, HAS_SINKS): one variant each."""
+        return self.local, self.has_cap, self.sinks is not None
+
+    @property
     def width(self) -> int:
         """Metric rows the kernel writes: 8 with learned sinks (learned_sink_mass), else 7."""
         return 8 if self.sinks is not None else 7
 
 
 def terms(layers, device) -> Terms | None:
-    """:class:`Terms` of ``layers`` (anything with ``window``, ``chunk``, ``soft_cap``, ``sinks`` and
-    ``num_heads``, e.g. :class:`attn_otel.tap.LayerSpec`), in launch order; None where none has a term (the
-    plain kernel).  Made once per set of values and device: no upload on the serving path."""
-    key = tuple((int(s.window or 0), int(s.chunk or 0), float(s.soft_cap or 0.0),
-                 None if s.sinks is None else tuple(float(x) for x in s.sinks), int(s.num_heads)) for s in layers)
-    return _terms(key, str(torch.device(device)))
+    """:class:`Terms` of ``layers`` (:class:`attn_otel.tap.LayerSpec`, or anything hashable with ``window``,
+    ``chunk``, ``soft_cap``, ``sinks`` and ``num_heads``), in launch order; None where none has a term (the
+    plain kernel).  Made once per layers and device: on the serving path a lookup, no upload."""
+    return _terms(tuple(layers), str(torch.device(device)))
 
 
 @functools.lru_cache(maxsize=256)
-def _terms(key: tuple, device: str) -> Terms | None:
+def _terms(layers: tuple, device: str) -> Terms | None:
+    key = [(int(s.window or 0), int(s.chunk or 0), float(s.soft_cap or 0.0),
+            None if s.sinks is None else tuple(float(x) for x in s.sinks), int(s.num_heads)) for s in layers]
     if all(not w and not c and not cap and sinks is None for w, c, cap, sinks, _ in key):
         return None
     hq = max(h for *_, h in key)
@@ -747,6 +753,7 @@ def _terms(key: tuple, device: str) -> Terms | None:
                  has_cap=any(c for _, _, c, *_ in key))
 
 
+@functools.lru_cache(maxsize=64)
 def _rows_at(names: tuple[str, ...] | None) -> dict[str, int]:
     """The kernel's ROW_* switches for metric rows ``names`` in that order (None: every metric in
     :data:`attn_otel.attention.METRICS` order): entropy first, vision_share_norm right after vision_share."""
@@ -789,13 +796,14 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
         raise ValueError(f"terms of {terms.window.shape[0]} layers for a launch of {n_layers}")
     win, chk, cap = (terms.window, terms.chunk, terms.cap) if terms is not None else (out, out, out)  # unused
     sinks = terms.sinks if terms is not None and terms.sinks is not None else out
-    at = _rows_at(rows)
+    at = _rows_at(None if rows is None else tuple(rows))
     if has_vision and at["ROW_VIS"] < 0:
         raise ValueError("a vision mask for metric rows without the vision pair")
     if terms is not None and terms.sinks is not None and at["ROW_SINK"] < 0:
         raise ValueError("learned sinks for metric rows without learned_sink_mass")
     _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out, koff,
-                       win, chk, cap, sinks, int(sink_tokens), float(scale), int(key_cache.shape[1]), heads, hq // hkv, hq // heads,
+                       win, chk, cap, sinks, int(sink_tokens), float(scale), int(key_cache.shape[1]), heads,
+                       hq // hkv, hq // heads,
                        sq_l, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                        so_l, so_r, so_m, so_h,
                        HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None,

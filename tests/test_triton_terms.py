@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace as NS
 
 import pytest
 import torch
@@ -39,7 +38,10 @@ TERMS = {  # name: (window, chunk, soft_cap, sinks)
 
 
 def _spec(window, chunk, cap, sinks, hq):
-    return NS(window=window, chunk=chunk, soft_cap=cap, sinks=None if sinks is None else tuple(sinks), num_heads=hq)
+    from attn_otel.tap import LayerSpec
+
+    return LayerSpec(index=0, name="l", num_heads=hq, num_kv_heads=1, head_dim=16, scale=1.0, window=window,
+                     chunk=chunk, soft_cap=cap, sinks=None if sinks is None else tuple(sinks))
 
 
 def _ref_terms(window, chunk, cap, sinks, device):
