@@ -55,7 +55,8 @@ class LayerSpec:
     @property
     def local(self) -> bool:
         """A sliding window or chunked local attention: keys fall out of the layer's view while the request
-        runs (and vLLM frees their blocks), so it keeps the Q/K tap instead of being streamed."""
+        runs (and vLLM frees their blocks), so it is streamed with a K-only tap by a full-attention group's
+        slots, or keeps the Q/K tap (see :func:`attn_otel.vllm_adapter._plan`)."""
         return bool(self.window or self.chunk)
 
     def terms(self, device) -> dict:
@@ -121,18 +122,45 @@ def capture_bytes_per_token(tapped: Sequence[LayerSpec], streamed: Sequence[Laye
     return per
 
 
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What :func:`kv_budget` leaves vLLM, and how the capture takes its share."""
+
+    kv_bytes: int  # the KV-cache budget left
+    per_token: int  # capture bytes per KV-cache token
+    fixed: int  # bytes of the query ring and the map tap's fixed rows
+    tapped: list  # layers on the Q/K tap
+    streamed: list  # streamed layers
+    mapped: list  # streamed map layers (the map tap)
+    local_streamed: bool  # windowed and chunked layers streamed (else on the Q/K tap)
+
+
 def kv_budget(available: int, kv_per_token: float, specs: Sequence[LayerSpec], maps: Sequence[int],
               streamed: Sequence[LayerSpec], keys_from_cache: bool, rows: int, dtype: torch.dtype, vision: bool,
-              map_tap_rows: int) -> tuple[int, int, int, list, list, list]:
+              map_tap_rows: int) -> Budget:
     """vLLM's KV-cache budget (``available`` bytes, ``kv_per_token`` bytes a token over every layer) once the
     capture has its share, as the engine sizes it before the KV-cache groups are known: the stream's query
     ring of ``rows`` and the map tap's fixed rows come off first, then tokens shrink by
-    ``kv / (kv + capture bytes per token)``.  Returns (budget, capture bytes per token, fixed bytes, Q/K-tapped
-    layers, streamed layers, streamed map layers).  ``bench/kv_capacity.py`` runs it on production shapes."""
+    ``kv / (kv + capture bytes per token)``.  Windowed and chunked layers among ``streamed`` are weighed against
+    keeping them on the Q/K tap (as map layers): on a small budget their share of the ring costs more; whichever
+    leaves more KV cache is returned (``local_streamed`` says which; streamed on a tie).  ``bench/kv_capacity.py``
+    runs it on production shapes."""
     if streamed and all(s.local for s in specs):
         # a model whose every layer has a window or chunks has no full-attention group: its layers will keep a
         # Q/K tap by attn-otel's own table (vllm_adapter._window_groups)
         maps, streamed = tuple(s.index for s in specs), []
+    options = [_budget(available, kv_per_token, specs, maps, list(streamed), keys_from_cache, rows, dtype, vision,
+                       map_tap_rows, True)]
+    local = {s.index for s in streamed if s.local}
+    if local:
+        options.append(_budget(available, kv_per_token, specs, tuple(sorted(set(maps) | local)),
+                               [s for s in streamed if not s.local], keys_from_cache, rows, dtype, vision,
+                               map_tap_rows, False))
+    return max(options, key=lambda b: b.kv_bytes)
+
+
+def _budget(available, kv_per_token, specs, maps, streamed, keys_from_cache, rows, dtype, vision, map_tap_rows,
+            local_streamed) -> Budget:
     tapped = [s for s in specs if s not in streamed]
     tap = capture_bytes_per_token(tapped, streamed, keys_from_cache, dtype, vision)
     fixed = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
@@ -141,7 +169,7 @@ def kv_budget(available: int, kv_per_token: float, specs: Sequence[LayerSpec], m
         fixed += MapTap.nbytes_for(mapped, map_tap_rows, 0, dtype)
         tap += 8
     scaled = int(max(0, available - fixed) * kv_per_token / (kv_per_token + tap))
-    return scaled, tap, fixed, tapped, list(streamed), mapped
+    return Budget(scaled, tap, fixed, tapped, streamed, mapped, local_streamed)
 
 
 @dataclasses.dataclass

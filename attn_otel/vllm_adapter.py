@@ -673,15 +673,11 @@ def _fp8_terms(layer) -> tuple[float, str | None]:
     return factor, None
 
 
-# Per model runner: whether windowed and chunked layers are streamed (True) or keep the Q/K tap (False), as the
-# KV-budget sizing chose (_scale_available_memory: whichever leaves more KV cache); streamed where it did not run.
-_LOCAL_STREAMED: dict[int, bool] = {}
-
-
 def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = None):
     """Split the captured layers into map layers (Q/K tap) and streamed ones (attn_otel.stream): returns
     (map layers of the whole model, streamed specs, keys from vLLM's cache?, ring rows).  ``stream_local``:
-    whether windowed and chunked layers are streamed (None: as the sizing chose, see ``_LOCAL_STREAMED``)."""
+    whether windowed and chunked layers are streamed (None: as the KV-budget sizing chose for this runner,
+    ``_scale_available_memory``; streamed where it did not run)."""
     from .config import resolve_map_layers
     from .stream import DEFAULT_ROWS
 
@@ -694,8 +690,8 @@ def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = N
     # group's slots (see _window_groups), never reading its own freed blocks.  The map layers among the streamed
     # ones also keep the queries of the requests planned for maps (attn_otel.tap.MapTap).  (Under pipeline
     # parallelism only this stage's own-table layers are known here.)
-    if stream_local is None:  # the install: the sizing's choice, taken once (a later runner may reuse the id)
-        stream_local = _LOCAL_STREAMED.pop(id(runner), True)
+    if stream_local is None:  # the install
+        stream_local = getattr(runner, "_attn_otel_local_streamed", True)
     # Where the KV budget is small, the ring of streamed windowed layers can cost more than their Q/K tap: then
     # they keep the tap (the sizing compares both, bench/kv_capacity.py shows where).
     own = {s.index for s in specs if s.own_group >= 0 or (s.local and not stream_local)}
@@ -746,19 +742,17 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
         for spec in runner.get_kv_cache_spec().values():
             kv_per_token += spec.page_size_bytes / spec.block_size
         dtype = _model_dtype(runner)
-        par = _parallel(runner, config, specs)
-        options = []  # windowed layers streamed, or (where the model has any) Q/K-tapped: the larger budget wins
-        for stream_local in (True, False) if any(s.local for s in specs) else (True,):
-            maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, par, stream_local)
-            options.append((kv_budget(available, kv_per_token, specs, maps, streamed, from_cache, rows, dtype,
-                                      _takes_images(runner), _map_tap_rows(config)), stream_local))
-        (scaled, tap, ring, tapped, streamed, mapped), stream_local = max(options, key=lambda o: o[0][0])
-        _LOCAL_STREAMED[id(runner)] = stream_local
+        maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs),
+                                                 stream_local=True)
+        b = kv_budget(available, kv_per_token, specs, maps, streamed, from_cache, rows, dtype, _takes_images(runner),
+                      _map_tap_rows(config))
+        runner._attn_otel_local_streamed = b.local_streamed  # the install plans the same way (_plan)
         logger.info("attn-otel: capture takes %d B per token beside %d B of KV cache (%d layers with a Q/K tap, "
                     "%d streamed with a %d-row query ring, %d of them map layers, ring and map tap %.2f GiB); KV "
-                    "budget %.2f -> %.2f GiB", tap, int(kv_per_token), len(tapped), len(streamed),
-                    rows if streamed else 0, len(mapped), ring / 2**30, available / 2**30, scaled / 2**30)
-        return scaled
+                    "budget %.2f -> %.2f GiB", b.per_token, int(kv_per_token), len(b.tapped), len(b.streamed),
+                    rows if b.streamed else 0, len(b.mapped), b.fixed / 2**30, available / 2**30,
+                    b.kv_bytes / 2**30)
+        return b.kv_bytes
     except Exception:  # noqa: BLE001
         logger.exception("attn-otel: could not size the tap; leaving the KV budget unchanged")
         return available

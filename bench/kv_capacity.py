@@ -6,9 +6,10 @@ layer) and the map tap's fixed rows come off the budget, then KV tokens shrink b
 per token)``.  This script runs that same function on layer specs built from the models' published configs
 (no engine, no GPU), for ``ATTN_OTEL=1`` alone (``default``: 4 layers, maps for 1% on them) and for all layers,
 choosing as the engine does whether windowed and chunked layers are streamed or keep a Q/K tap (whichever
-leaves more KV cache), and beside it the rule before 2026-11-26 (every layer with a window, soft-cap or sinks kept a Q/K tap; seven
-float16 metric rows a token per streamed layer).  Check of the method: run 14 measured 0.832 for all layers
-of the Llama-3-8B shape on an H100, where the earlier rule computes 0.833 here.
+leaves more KV cache), and beside it the rule before 2026-11-26 (every layer with a window, soft-cap or sinks
+kept a Q/K tap; seven float16 metric rows a token per streamed layer).  Check of the method: run 14 measured
+0.974 with the default and 0.832 for all layers of the Llama-3-8B shape on an H100, where the earlier rule
+computes 0.974 and 0.835 here.
 
 The budget a model leaves for its KV cache depends on the deployment; each shape below names the one assumed
 (one H100 80GB at ``gpu_memory_utilization=0.9``, bf16 weights unless said).  The per-token factor does not
@@ -92,26 +93,20 @@ def measure(name: str, shape: dict, step: int) -> dict:
     rows = max(DEFAULT_ROWS, step)
     map_rows = 8192  # ATTN_OTEL_MAP_TAP_TOKENS's default: ATTN_OTEL_MAX_MAP_TOKENS
     res = {"kv_bytes_per_token": kv, "budget_gib": shape["budget"], "budget_from": shape["budget_from"],
-           "layers_with_window": sum(1 for s in specs if s.window), "layers_with_chunks": sum(1 for s in specs if s.chunk),
+           "layers_with_window": sum(1 for s in specs if s.window),
+           "layers_with_chunks": sum(1 for s in specs if s.chunk),
            "sinks": shape["sinks"], "takes_images": shape["vision"], "configs": {}}
     for config, selection in (("default", "auto"), ("all_layers", "all")):
         captured = [specs[i] for i in resolve_layers(selection, len(specs))]
-        options = []  # as the engine's sizing: windowed layers streamed, or Q/K-tapped where that leaves more
-        for stream_local in (True, False) if any(s.local for s in captured) else (True,):
-            maps = resolve_map_layers("auto", [s.index for s in captured])
-            if not stream_local:
-                maps = tuple(sorted(set(maps) | {s.index for s in captured if s.local}))
-            streamed = [s for s in captured if stream_local or not s.local]
-            options.append((kv_budget(available, kv, captured, maps, streamed, True, rows, dtype, shape["vision"],
-                                      map_rows), stream_local))
-        (scaled, tap, fixed, tapped, streamed, mapped), stream_local = max(options, key=lambda o: o[0][0])
+        maps = resolve_map_layers("auto", [s.index for s in captured])
+        b = kv_budget(available, kv, captured, maps, captured, True, rows, dtype, shape["vision"], map_rows)
         old, old_tap, old_fixed = before(available, kv, captured, maps, rows, dtype, map_rows)
         res["configs"][config] = {
             "layers": [s.index for s in captured],
-            "now": {"kv_capacity": round(scaled / available, 4), "capture_bytes_per_token": tap,
-                    "per_token_factor": round(kv / (kv + tap), 4), "fixed_gib": round(fixed / GIB, 3),
-                    "qk_tapped": len(tapped), "streamed": len(streamed), "windowed_streamed": stream_local,
-                    "streamed_with_k_tap": sum(1 for s in streamed if s.local)},
+            "now": {"kv_capacity": round(b.kv_bytes / available, 4), "capture_bytes_per_token": b.per_token,
+                    "per_token_factor": round(kv / (kv + b.per_token), 4), "fixed_gib": round(b.fixed / GIB, 3),
+                    "qk_tapped": len(b.tapped), "streamed": len(b.streamed), "windowed_streamed": b.local_streamed,
+                    "streamed_with_k_tap": sum(1 for s in b.streamed if s.local)},
             "before": {"kv_capacity": round(old / available, 4), "capture_bytes_per_token": old_tap,
                        "per_token_factor": round(kv / (kv + old_tap), 4), "fixed_gib": round(old_fixed / GIB, 3)},
         }

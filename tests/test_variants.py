@@ -401,15 +401,19 @@ def test_the_kv_budget_streams_windowed_layers_with_a_k_tap_and_taps_all_window_
     full = LayerSpec(index=0, name="l0", **base)
     win = LayerSpec(index=1, name="l1", window=16, **base)
     kv, avail, dt = 2 * 2 * HKV * D * 2, 2 ** 30, torch.bfloat16
-    scaled, tap, fixed, tapped, streamed, mapped = kv_budget(avail, kv, [full, win], (), [full, win], True, 64, dt,
-                                                            False, 128)
+    b = kv_budget(avail, kv, [full, win], (), [full, win], True, 64, dt, False, 128)
+    scaled, tap, fixed, tapped, streamed, mapped = b.kv_bytes, b.per_token, b.fixed, b.tapped, b.streamed, b.mapped
     assert tapped == [] and streamed == [full, win] and mapped == []
     rows = 4 * HQ * 2  # entropy, two sink masses, lookback: float16
     assert tap == 2 * rows + 8 + HKV * D * 2  # the windowed layer's keys are tapped, the full one's read
     assert fixed == MetricsStream.ring_bytes([full, win], 64, dt)
-    assert scaled == int((avail - fixed) * kv / (kv + tap))
+    assert scaled == int((avail - fixed) * kv / (kv + tap)) and b.local_streamed
+    # a ring that takes most of the budget: the windowed layer keeps the Q/K tap (a map layer) instead
+    big = kv_budget(avail, kv, [full, win], (), [full, win], True, 1 << 20, dt, False, 128)
+    assert not big.local_streamed and big.streamed == [full] and big.tapped == [win] and big.mapped == []
+    assert big.kv_bytes > int((avail - MetricsStream.ring_bytes([full, win], 1 << 20, dt)) * kv / (kv + tap))
     win0 = LayerSpec(index=0, name="l0", window=16, **base)
-    scaled, tap, fixed, tapped, streamed, mapped = kv_budget(avail, kv, [win0, win], (), [win0, win], True, 64, dt,
-                                                            False, 128)
+    b = kv_budget(avail, kv, [win0, win], (), [win0, win], True, 64, dt, False, 128)
+    scaled, tap, fixed, tapped, streamed, mapped = b.kv_bytes, b.per_token, b.fixed, b.tapped, b.streamed, b.mapped
     assert streamed == [] and tapped == [win0, win] and fixed == 0
     assert tap == QKTap.bytes_per_token([win0, win], dt)
