@@ -33,7 +33,8 @@ A map layer keeps its queries and keys for the request's whole life (the Q/K tap
 num_kv_heads) * head_dim * dtype_bytes`` per KV-cache token) so that its full maps can be computed when the
 request finishes.  Every other captured layer is *streamed*: its per-row metrics are computed while the
 request runs and its queries dropped (``4 * num_q_heads * 2`` bytes per token for a text model, keys read
-from vLLM's own cache; see :func:`attn_otel.stream.slot_rows`).  ``auto`` makes every captured layer a map layer when at most :data:`AUTO_LAYERS` are captured, and
+from vLLM's own cache; see :func:`attn_otel.stream.slot_rows`).  ``auto`` makes every captured layer a map
+layer when at most :data:`AUTO_LAYERS` are captured, and
 otherwise :data:`AUTO_LAYERS` of them, evenly spaced.  A maps capture covers the map layers."""
 
 ATTN_OTEL_STREAM_ROWS = "ATTN_OTEL_STREAM_ROWS"

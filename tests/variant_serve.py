@@ -117,7 +117,8 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
               if spec else {})
     with open(out_json, "w") as f:
         json.dump({"requests": results, "twins": twin_results, "layers": specs,
-                   "streamed": sorted(engine.streamed), "map_layers": list(engine.map_layers), "kv_groups": groups, "num_blocks": kv.num_gpu_blocks,
+                   "streamed": sorted(engine.streamed), "map_layers": list(engine.map_layers), "kv_groups": groups,
+                   "num_blocks": kv.num_gpu_blocks,
                    "attention_impl": engine.attrs.get("attention_impl"), "layer_kinds": engine.attrs.get("layer_kinds"),
                    "prefix_caching": bool(kv.enable_prefix_caching),
                    "chunked_prefill": bool(llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill),
