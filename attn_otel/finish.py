@@ -198,15 +198,16 @@ class BatchedMetrics:
             return upload(a, dev)
 
         groups = list(slots_host)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), Ts)  # each request's own
-        host = [cu, prompt, positions, *(np.concatenate(slots_host[g]) for g in groups)] + (
-            [vision_host] if vision_any else [])
-        cu_dev, prompt_dev, positions_dev, *rest = upload_many(host, dev)  # one copy
-        slots_dev = dict(zip(groups, rest[:len(groups)]))
-        vision_dev = rest[len(groups)] if vision_any else None
-        summarise = self.config.row_metrics != "all"
         tapped = [li for li, spec in enumerate(layers) if spec.index not in self.streamed]
         streamed = [li for li, spec in enumerate(layers) if spec.index in self.streamed]
+        host = [cu, prompt, *(np.concatenate(slots_host[g]) for g in groups)] + ([vision_host] if vision_any else [])
+        if streamed:  # each row's position in its request: the stream's gather derives entropy_norm from it
+            host.append(np.arange(total, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), Ts))
+        cu_dev, prompt_dev, *rest = upload_many(host, dev)  # one copy
+        slots_dev = dict(zip(groups, rest[:len(groups)]))
+        vision_dev = rest[len(groups)] if vision_any else None
+        positions_dev = rest[-1] if streamed else None
+        summarise = self.config.row_metrics != "all"
         # Rows of the tapped layers, computed now; with rows summarised here only those layers are in ``out``
         # (the streamed layers' float16 rows are summarised where they are, in float16).
         out_layers = tapped if summarise else list(range(len(layers)))
