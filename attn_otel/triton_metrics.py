@@ -47,7 +47,8 @@ if triton is not None:
         # logit times log2(e), every sum is relative to the running max m_i and rescaled when it grows).
         # m_i starts at -1e30, not -inf, so the first tile needs no case of its own (alpha = 0, and
         # shift * l_i = 0); a masked key's logit is -1e30 too, which exp2 sends to 0 (e * d = 0, not NaN).
-        # Every row's first tile holds key 0, so no row meets a tile of masked keys before a real max.
+        # Every row's first tile holds key 0, so no row meets a tile of masked keys before a real max (but
+        # with LOCAL, see below).
         # MASKED: the tile may hold keys after a row (causal) or past T; else every key is <= every row.
         # CTX: 0 every key is at or after the prompt (generated), 1 every key is in the prompt, 2 either.
         # D2 > 0: a head_dim of D + D2 (both powers of two, e.g. MLA's 512 + 64), q2 the query's last D2.
@@ -72,8 +73,8 @@ if triton is not None:
         if HAS_CAP:
             s = _soft_cap(s * scale, cap)
         if LOCAL:
-            s = tl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & (cols[None, :] >= lo_r[:, None]),
-                         s, -1e30)
+            seen_k = (cols[None, :] <= rows[:, None]) & (cols[None, :] < T) & (cols[None, :] >= lo_r[:, None])
+            s = tl.where(seen_k, s, -1e30)
         elif MASKED:
             s = tl.where((cols[None, :] <= rows[:, None]) & (cols[None, :] < T), s, -1e30)
         m_new = tl.maximum(m_i, tl.max(s, 1) * c)
@@ -81,6 +82,12 @@ if triton is not None:
         shift = m_i - m_new
         d = s * c - m_new[:, None]
         e = tl.exp2(d)
+        if LOCAL:
+            # A row's tiles before its first visible key hold no real logit: there its max is the masked
+            # logit's own (-1e30 * c), and d = s * c - m_new, one FMA on a GPU, is that product's rounding
+            # error (~1e22, either sign), not 0: exp2 gives 0 or inf (NaN once rescaled by 0).  Masked keys
+            # are set to 0 outright; the next tile's real max then rescales the row's sums (still 0) by 0.
+            e = tl.where(seen_k, e, 0.0)
         tile_l = tl.sum(e, 1)
         h1 = alpha * (h1 + shift * l_i) + tl.sum(e * d, 1)
         l_i = l_i * alpha + tile_l
@@ -209,8 +216,8 @@ if triton is not None:
         vcnt = tl.zeros([BLOCK_M], tl.float32)
         if LOCAL:
             # Every tile masked, from the one holding the block's first visible key: a window or chunk bounds
-            # the keys, so the loop is short.  A row's tiles before its own first key add e = 0 (its max is
-            # still -1e30, as every logit there).
+            # the keys, so the loop is short.  A row's tiles before its own first key add e = 0 (_tile zeroes
+            # every key a row does not see).
             for kstart in range(lo0 // BLOCK_N * BLOCK_N, hi, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
                     q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,

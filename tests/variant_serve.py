@@ -60,10 +60,16 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
 
     if spec == "mtp":
         gc.disable()
+    # The KV-cache budget that attn-otel's start-up sizing divides (tap.kv_budget) is 1 GiB on both machines: the
+    # CPU build's VLLM_CPU_KVCACHE_SPACE above, the GPU's kv_cache_memory_bytes (else most of an H100, on which
+    # every choice the sizing makes comes out otherwise).  num_blocks still fixes the blocks vLLM allocates.
+    import torch
+
+    budget = {"kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=step,
               max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=32 if chunked else 16,
               num_gpu_blocks_override=num_blocks, attention_backend=backend,
-              kv_cache_dtype=kv_dtype, **extra, **_eager(eager))
+              kv_cache_dtype=kv_dtype, **budget, **extra, **_eager(eager))
     gc.enable()
     rng = np.random.default_rng(0)
 
