@@ -45,7 +45,9 @@ def add_tokenizer(model_dir: str, vocab: int) -> None:
 
 
 def start_server(model_dir: str, env: dict, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--load-format",
+    # -P: the server's sys.path does not start with the caller's cwd, where a checkout's attn_otel/ would hide the
+    # build being measured (site-packages, or one put first on PYTHONPATH to compare two builds on one machine)
+    cmd = [sys.executable, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--load-format",
            "dummy", "--max-model-len", "8704", "--gpu-memory-utilization", "0.9", "--port", str(PORT),
            "--seed", "0", "--served-model-name", "bench"]
     proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT)

@@ -77,7 +77,10 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              "eager": {},
              # diagnostics of the default's online latency: Python's own GIL switch interval (5 ms), no maps
              "default-gil5": {"ATTN_OTEL": "1", "ATTN_OTEL_GIL_SWITCH_MS": "0"},
-             "default-nomaps": {"ATTN_OTEL": "1", "ATTN_OTEL_MAPS_SAMPLE": "0"}}
+             "default-nomaps": {"ATTN_OTEL": "1", "ATTN_OTEL_MAPS_SAMPLE": "0"},
+             # finished requests' capture work in the step each finishes, not batched over 16 steps (run 21:
+             # the batched default's ITL p99 was x1.40 against run 18's code's x1.26 on one machine)
+             "default-finish0": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_STEPS": "0"}}
 
 
 def _model_dir() -> str:
@@ -364,6 +367,7 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
                 "goodput_req_s", "slo_met", "complete") if all(k in r for r in runs)}
         entry["ttft_p99_ratio"] = entry.get("ttft_p99_ratio", {}).get("default")
         entry["itl_p99_ratio"] = entry.get("itl_p99_ratio", {}).get("default")
+        entry["device"] = onl["off"].get("device", device)
         entry["off"] = {k: _median(o, k) for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
                                                    "itl_p99_s", "tpot_p99_s", "goodput_req_s", "slo_met", "complete")
                         if all(k in r for r in o)}
