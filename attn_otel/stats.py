@@ -43,6 +43,10 @@ class Stats:
         # flushes, finished requests' captures), and its total split by part
         self.step_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.step_parts: collections.Counter[str] = collections.Counter(dict.fromkeys(STEP_PARTS, 0.0))
+        # seconds each batch of finished requests' capture work took on the engine loop (attn_otel.deferred), and
+        # the requests in it: the batch lands in one step, so its time is that step's extra latency
+        self.finish_batch_times: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.finish_batch_sizes: collections.deque[float] = collections.deque(maxlen=10_000)
 
     def add(self, field: str, n: int = 1, reason: str | None = None) -> None:
         with self._lock:
@@ -59,7 +63,8 @@ class Stats:
                                     "bytes_written": self.bytes_written,
                                     "step_host_s": {k: round(v, 4) for k, v in self.step_parts.items()}}
             if percentiles:
-                for name in ("latencies", "write_latencies", "loop_times", "step_times"):
+                for name in ("latencies", "write_latencies", "loop_times", "step_times", "finish_batch_times",
+                             "finish_batch_sizes"):
                     vals = np.asarray(getattr(self, name), dtype=np.float64)
                     snap[name] = ({q: float(np.quantile(vals, float(q[1:]) / 100)) for q in ("p50", "p90", "p99")}
                                   | {"n": int(vals.size), "max": float(vals.max())}) if vals.size else {"n": 0}

@@ -1186,7 +1186,11 @@ def _track(runner, engine, so, t0: float) -> None:
         if deferred and cached.new_block_ids[i] is not None:
             fresh.extend(cached.new_block_ids[i])
     if deferred.due(flat_blocks(fresh), not int(getattr(so, "total_num_scheduled_tokens", 1))):
-        _finish_batch(engine, *deferred.take())
+        req_ids, batch = deferred.take()
+        tb = time.perf_counter()
+        _finish_batch(engine, req_ids, batch)
+        engine.stats.finish_batch_times.append(time.perf_counter() - tb)
+        engine.stats.finish_batch_sizes.append(len(req_ids))
     t2 = time.perf_counter()
     parts["captures"] += t2 - t1
     if shadow is not None:  # first: the others read the requests' blocks there

@@ -54,6 +54,8 @@ def phase(steps: int, n: int, out: Path) -> None:
               "step_host_s": snap["step_host_s"], "step_host_s_total": round(sum(snap["step_host_s"].values()), 4),
               "step_times_ms": {q: round(snap["step_times"][q] * 1e3, 3) for q in ("p50", "p90", "p99")},
               "finish_batches": engine.deferred.batches,
+              "finish_batch_ms": {q: round(snap["finish_batch_times"][q] * 1e3, 3)
+                                  for q in ("p50", "p90", "p99", "max")},
               "stream_flushes": engine.stream.flushes if engine.stream is not None else None,
               "captured": snap["captured"], "dropped": snap["dropped"],
               "outputs": [list(o.outputs[0].token_ids) for o in outs]}

@@ -55,11 +55,12 @@ for bi, prompts in enumerate(batches):
                      "prompt_len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0, "mode": mode})
 (engine,) = vllm_adapter.engines()
 assert engine.flush(120)
-snap = engine.stats.snapshot()
+snap = engine.stats.snapshot(percentiles=True)
 st = engine.stream
 json.dump({"runs": runs, "preempted": len(preempted), "stats": snap, "streamed": sorted(engine.streamed),
            "map_layers": list(engine.map_layers), "flushes": st.flushes, "flushed_rows": st.flushed_rows,
-           "pending": st.pending(), "ring_rows": st.rows, "keys_tapped": sorted(st.k_tap)},
+           "pending": st.pending(), "ring_rows": st.rows, "keys_tapped": sorted(st.k_tap),
+           "finish_batches": engine.deferred.batches},
           open(os.environ["RESULT"], "w"))
 '''
 
@@ -90,6 +91,10 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert res["flushes"] > 20 and res["pending"] == 0
     stats = res["stats"]
     assert stats["captured"] == len(res["runs"]) and stats["dropped"] == {}, stats
+    # every batch of finished requests' work is timed (each generate() ends idle, which takes one at least)
+    assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
+    assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]
+    assert stats["finish_batch_times"]["max"] > 0 and stats["finish_batch_sizes"]["max"] >= 1
 
 
 def test_streamed_and_map_layers_equal_hf_eager(streamed_run, smollm2_path):
