@@ -4,9 +4,11 @@ computed from its fp8 cache.
 Run on the lent GPU machine: ``python3 -P -m pytest -m gpu tests/test_gpu_variants.py`` (``TEST_KV_DTYPE``:
 fp8 by default, or fp8_e4m3 / fp8_e5m2; ``TEST_ATTENTION_BACKEND``: the backend, else vLLM's pick).  The
 tiny Gemma 2 and gpt-oss of tests/variant_models.py, served as tests/test_engine_variants.py serves them.
-These layers keep their keys from the forward (the stream's kernels lack their terms); attn-otel rounds them
-to the cache's fp8 format as vLLM's cache write does, so that each maps capture's check (``ATTN_OTEL_VERIFY``:
-maps times the values, rounded the same way, against the layer's own output) holds within fp8's precision.
+Where attn-otel keeps a layer's keys itself (the map layers' Q/K tap; since 2026-11-26 also the K-only tap of
+windowed layers streamed by a full-attention group's slots) it rounds them to the cache's fp8 format as vLLM's
+cache write does, so that each maps capture's check (``ATTN_OTEL_VERIFY``: maps times the values, rounded the
+same way, against the layer's own output) holds within fp8's precision.  Not run on an H100 since the windowed
+layers moved to the stream (their per-row metrics under fp8 are then the stream kernel's).
 The distance to HF eager float32 is reported beside it: there fp8's rounding is the model's own numerics."""
 
 import json
