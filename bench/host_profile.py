@@ -6,6 +6,12 @@ prints, per thread, its samples, and the frames (function, file) with the larges
 ``--match attn_otel`` adds the inclusive share of every frame from that package:
 
     python3 bench/host_profile.py DIR/pyspy-online-default.txt [--match attn_otel] [--top 25]
+    python3 bench/host_profile.py DIR/pyspy-online-default.txt --own
+
+``--own`` prints only the engine loop's main thread: attn-otel's own share of it by part (the table in
+docs/benchmarks/overhead.md) and the share it waits for the GPU.  A sample is attn-otel's own where its
+deepest attn-otel frame runs attn-otel's code, not vLLM's call inside one of attn-otel's wrappers (the
+patched methods, the tapped forward, the step hook's call of vLLM's scheduler).
 """
 
 from __future__ import annotations
@@ -74,11 +80,55 @@ def summarise(threads: dict, match: str | None, top: int) -> str:
     return "\n".join(out)
 
 
+# attn-otel's parts on the engine loop, by the first of these frames a sample holds (else "rest")
+OWN_PARTS = (("schedule", "MetricsStream.schedule"), ("taps", "_tap_layer.<locals>.forward"),
+             ("captures", "CaptureEngine.on_finished_many"), ("finish rows", "MetricsStream.finish"))
+_WRAPPERS = ("_wrap.<locals>.patched", "_tap_layer.<locals>.forward", "_before_step", "_track",
+             "_hand_over_finish_reasons")
+
+
+def own_shares(threads: dict, package: str = "attn_otel/") -> dict:
+    """The main thread's samples (the thread named MainThread, else the largest): ``{"samples", "parts":
+    {part: share}, "total", "gpu_wait"}`` (shares of its samples; gpu_wait: ``Event.synchronize`` outside
+    attn-otel's frames)."""
+    named = [t for t in threads if t.endswith("MainThread")]
+    main_t = named[0] if named else max(threads, key=lambda t: sum(n for _, n in threads[t]))
+    stacks = threads[main_t]
+    total = sum(n for _, n in stacks)
+    parts: collections.Counter[str] = collections.Counter()
+    wait = 0
+    for frames, n in stacks:
+        ours = [i for i, f in enumerate(frames) if package in f]
+        if not ours:
+            if frames and frames[-1].startswith("Event.synchronize"):
+                wait += n
+            continue
+        deep = ours[-1]
+        func = frames[deep].split(" (")[0]
+        if func.startswith("_wrap.<locals>.patched") or (
+                func.startswith(_WRAPPERS) and deep + 1 < len(frames) and "vllm/" in frames[deep + 1]):
+            continue  # vLLM's own work inside attn-otel's wrapper
+        names = [frames[i].split(" (")[0] for i in ours]
+        parts[next((p for p, f in OWN_PARTS if f in names), "rest")] += n
+    shares = {p: parts[p] / total for p in [*(p for p, _ in OWN_PARTS), "rest"]} if total else {}
+    return {"thread": main_t, "samples": total, "parts": shares, "total": sum(shares.values()),
+            "gpu_wait": wait / total if total else 0.0}
+
+
+def format_own(own: dict) -> str:
+    lines = [f"## {own['thread']}: {own['samples']} samples", "attn-otel's own time, by part:"]
+    lines += [f"  {100 * v:5.1f}%  {p}" for p, v in own["parts"].items()]
+    lines += [f"  {100 * own['total']:5.1f}%  total", f"waiting for the GPU (Event.synchronize): "
+              f"{100 * own['gpu_wait']:.1f}%"]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("path", type=Path)
     ap.add_argument("--match", help="also list the inclusive share of frames containing this text")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--own", action="store_true", help="the main thread only: attn-otel's own share by part")
     args = ap.parse_args(argv)
     if not args.path.exists():
         print(f"no such file: {args.path}", file=sys.stderr)
@@ -87,7 +137,7 @@ def main(argv=None) -> int:
     if not threads:
         print(f"no stacks in {args.path}", file=sys.stderr)
         return 1
-    print(summarise(threads, args.match, args.top))
+    print(format_own(own_shares(threads)) if args.own else summarise(threads, args.match, args.top))
     return 0
 
 

@@ -44,3 +44,32 @@ def test_a_missing_or_empty_file_is_an_error_not_a_traceback(tmp_path, capsys):
     empty.write_text("nothing here\n")
     assert host_profile.main([str(empty)]) == 1
     assert "no stacks" in capsys.readouterr().err
+
+
+OWN = """\
+thread (0x1): MainThread;loop (vllm/v1/engine/core.py:1);_before_step (attn_otel/vllm_adapter.py:1);_track (attn_otel/vllm_adapter.py:2);MetricsStream.schedule (attn_otel/stream.py:3);upload (attn_otel/slots.py:4) 10
+thread (0x1);loop (vllm/v1/engine/core.py:1);_before_step (attn_otel/vllm_adapter.py:1);Scheduler.schedule (vllm/v1/core/sched/scheduler.py:9) 30
+thread (0x1);loop (vllm/v1/engine/core.py:1);_wrap.<locals>.patched (attn_otel/vllm_adapter.py:5);execute_model (vllm/v1/worker/gpu_worker.py:7) 20
+thread (0x1);loop (vllm/v1/engine/core.py:1);_wrap.<locals>.patched (attn_otel/vllm_adapter.py:5);_tap_layer.<locals>.forward (attn_otel/vllm_adapter.py:6);MetricsStream.write (attn_otel/stream.py:8) 4
+thread (0x1);loop (vllm/v1/engine/core.py:1);_wrap.<locals>.patched (attn_otel/vllm_adapter.py:5);_tap_layer.<locals>.forward (attn_otel/vllm_adapter.py:6);FlashAttentionImpl.forward (vllm/v1/attention/backends/flash_attn.py:3) 6
+thread (0x1);loop (vllm/v1/engine/core.py:1);_hand_over_finish_reasons (attn_otel/vllm_adapter.py:9);_finish_batch (attn_otel/vllm_adapter.py:10);CaptureEngine.on_finished_many (attn_otel/capture.py:1);full_rows (attn_otel/stream.py:2) 5
+thread (0x1);loop (vllm/v1/engine/core.py:1);_hand_over_finish_reasons (attn_otel/vllm_adapter.py:9);_finish_batch (attn_otel/vllm_adapter.py:10);MetricsStream.finish (attn_otel/stream.py:3) 3
+thread (0x1);loop (vllm/v1/engine/core.py:1);_before_step (attn_otel/vllm_adapter.py:1);Side.guard_items (attn_otel/side.py:4) 2
+thread (0x1);loop (vllm/v1/engine/core.py:1);Event.synchronize (torch/cuda/streams.py:231) 20
+thread (0x2): attn-otel-writer-0;_run (attn_otel/handoff.py:1);WriterPool.write (attn_otel/writers.py:2) 500
+"""
+
+
+def test_own_shares_count_attn_otels_code_not_vllms_inside_its_wrappers(tmp_path, capsys):
+    """``--own``: the main thread only (not the busier writer thread); vLLM's scheduler called from the step hook,
+    the forward called through the patched method and the attention inside the tapped forward are vLLM's time;
+    the rest is split by part."""
+    path = tmp_path / "pyspy.txt"
+    path.write_text(OWN)
+    own = host_profile.own_shares(host_profile.parse(path))
+    assert own["thread"] == "thread (0x1): MainThread" and own["samples"] == 100
+    assert own["parts"] == {"schedule": 0.10, "taps": 0.04, "captures": 0.05, "finish rows": 0.03, "rest": 0.02}
+    assert abs(own["total"] - 0.24) < 1e-12 and own["gpu_wait"] == 0.20
+    assert host_profile.main([str(path), "--own"]) == 0
+    out = capsys.readouterr().out
+    assert " 24.0%  total" in out and "waiting for the GPU (Event.synchronize): 20.0%" in out
