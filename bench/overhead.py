@@ -37,6 +37,7 @@ import datetime
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -176,8 +177,6 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
     llm = LLM(**kwargs)
     start_s = time.perf_counter() - t0
     cache = llm.llm_engine.vllm_config.cache_config
-    import subprocess
-
     import torch
     import vllm
 
@@ -280,6 +279,17 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, m
         t.unlink()
 
 
+def _attn_otel_origin(env: dict) -> str:
+    """Where the server's attn-otel comes from (its package directory), as the server's interpreter finds it: an
+    A/B of two builds on one machine puts one of them first on PYTHONPATH."""
+    try:
+        return subprocess.run([sys.executable, "-P", "-c", "import attn_otel, os; print(os.path.dirname("
+                               "attn_otel.__file__))"], capture_output=True, text=True, env=env,
+                              timeout=60).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        return f"unknown ({e})"
+
+
 def run_online(phase: str, out: Path, repeats: int) -> dict:
     """The online workload for ``phase``: its own OpenAI server; the capacity from DIR/online-off.json (the
     off phase measures it, so run it first)."""
@@ -294,7 +304,13 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
     os.environ.update(env)
     t0 = time.perf_counter()
     proc = online.start_server(model, {}, out / f"online-{phase}.log")
-    result = {"phase": phase, "engine_start_s": time.perf_counter() - t0, "runs": []}
+    from importlib.metadata import version  # not `import vllm`: this process leaves the GPU to the server
+
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,uuid", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout.strip()
+    result = {"phase": phase, "engine_start_s": time.perf_counter() - t0, "runs": [], "device": gpu,
+              "vllm_version": version("vllm"), "date": datetime.date.today().isoformat(),
+              "attn_otel": _attn_otel_origin(env)}
     try:
         online.run_load(4.0, seed=98, n=16)  # warm-up: a light load (small batches)
         if CAPACITY[0]:
