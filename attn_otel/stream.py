@@ -284,7 +284,8 @@ class MetricsStream:
         are not read from vLLM's cache (all where ``keys_from_cache`` is false; windowed and chunked layers
         always: vLLM frees their blocks while a request runs)."""
         size = torch.empty((), dtype=dtype).element_size()
-        per = sum(len(slot_rows(layers, vision)) * s.num_heads * 2 for s in layers) + 8
+        kept = len(slot_rows(layers, vision))
+        per = sum(kept * s.num_heads * 2 for s in layers) + 8
         per += sum(s.num_kv_heads * s.head_dim * size for s in layers
                    if not keys_from_cache or getattr(s, "local", False))
         return per

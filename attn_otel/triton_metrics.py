@@ -107,9 +107,8 @@ if triton is not None:
         if HAS_VISION:
             vm = tl.load(VM + kstart0 + cols, mask=cols < T, other=0.0)
             vis = vis * alpha + tl.sum(e * vm[None, :], 1)
-            if LOCAL:
-                seen = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= lo_r[:, None])
-                vcnt += tl.sum(tl.where(seen, vm[None, :], 0.0), 1)
+            if LOCAL:  # the keys the row sees (seen_k also leaves out keys past T, where vm is 0 anyway)
+                vcnt += tl.sum(tl.where(seen_k, vm[None, :], 0.0), 1)
         return m_new, l_i, h1, vis, ctx, gen, vcnt
 
     @triton.jit

@@ -304,11 +304,12 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
     os.environ.update(env)
     t0 = time.perf_counter()
     proc = online.start_server(model, {}, out / f"online-{phase}.log")
+    start_s = time.perf_counter() - t0
     from importlib.metadata import version  # not `import vllm`: this process leaves the GPU to the server
 
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,uuid", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout.strip()
-    result = {"phase": phase, "engine_start_s": time.perf_counter() - t0, "runs": [], "device": gpu,
+    result = {"phase": phase, "engine_start_s": start_s, "runs": [], "device": gpu,
               "vllm_version": version("vllm"), "date": datetime.date.today().isoformat(),
               "attn_otel": _attn_otel_origin(env)}
     try:
