@@ -47,7 +47,7 @@ class Pending:
     nbytes: int  # host bytes reserved in the hand-off
     gathered: int  # device bytes held by qk
     t_finish: float = 0.0
-    streamed: torch.Tensor | None = None  # [streamed layers, T, 7, H] float16 (see attn_otel.stream)
+    streamed: torch.Tensor | None = None  # [streamed layers, T, 7 or 8, H] float16 (MetricsStream.gather)
     checks: list | None = None  # per layer (values, v_scale, outputs) or None: ATTN_OTEL_VERIFY
 
 
@@ -130,7 +130,7 @@ class ComputeThread:
                 qk.append(None)
                 if streamed is None:
                     positions = torch.arange(plan.T, device=self.device)
-                    streamed = self.stream.gather(slots_by_group[spec.group], positions)  # [layers, T, 7, H]
+                    streamed = self.stream.gather(slots_by_group[spec.group], positions)  # [layers, T, 7 or 8, H]
             else:
                 check = None
                 if plan.want_maps and self.maptap is not None and spec.index in self.maptap.checked:

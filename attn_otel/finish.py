@@ -223,7 +223,7 @@ class BatchedMetrics:
         got = None
         if streamed:  # computed while the requests ran: one gather by slot for every streamed layer
             st = self.stream
-            got = st.gather(slots_dev[st.group], positions_dev)  # [streamed layers, total, 7, H] float16
+            got = st.gather(slots_dev[st.group], positions_dev)  # [streamed layers, total, width, H] float16
             order = [st.pos[layers[li].index] for li in streamed]
             if order != list(range(len(order))):
                 got = got.index_select(0, up(np.asarray(order, dtype=np.int64)))

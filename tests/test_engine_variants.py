@@ -226,8 +226,8 @@ def test_metrics_mean_what_the_docs_say_under_a_window(served):
 
 def test_metrics_only_captures_match_hf_eager_within_bf16_drift(served):
     """The second wave again, metrics only (reading the prefix cache): each layer's per-row metrics now come
-    from the stream (layers without a window: soft-cap and sinks in the stream's kernels) or from the finish
-    (windowed layers), not from maps, on the CPU through the torch reference and on a GPU through the Triton
+    from the stream (every layer: windows, soft-cap and sinks in the stream's kernels; windowed layers' keys
+    from a K-only tap), not from maps, on the CPU through the torch reference and on a GPU through the Triton
     kernels.  Against NumPy's per-row metrics (tests/numpy_metrics.py, each layer's window) of HF eager fp32's
     maps, within the bound of HF bf16's own drift (tests/reference.py); gpt-oss's learned sink mass against
     1 - HF's row sums the same way."""
