@@ -284,8 +284,7 @@ class MetricsStream:
         are not read from vLLM's cache (all where ``keys_from_cache`` is false; windowed and chunked layers
         always: vLLM frees their blocks while a request runs)."""
         size = torch.empty((), dtype=dtype).element_size()
-        kept = len(slot_rows(layers, vision))
-        per = sum(kept * s.num_heads * 2 for s in layers) + 8
+        per = len(slot_rows(layers, vision)) * sum(s.num_heads for s in layers) * 2 + 8  # float16 rows, slot table
         per += sum(s.num_kv_heads * s.head_dim * size for s in layers
                    if not keys_from_cache or getattr(s, "local", False))
         return per
