@@ -8,7 +8,8 @@ Where attn-otel keeps a layer's keys itself (the map layers' Q/K tap; since 2026
 windowed layers streamed by a full-attention group's slots) it rounds them to the cache's fp8 format as vLLM's
 cache write does, so that each maps capture's check (``ATTN_OTEL_VERIFY``: maps times the values, rounded the
 same way, against the layer's own output) holds within fp8's precision.  Not run on an H100 since the windowed
-layers moved to the stream (their per-row metrics under fp8 are then the stream kernel's).
+layers moved to the stream: test_fp8_streamed_metrics_match_the_backends_own_maps checks those per-row metrics
+(metrics-only captures of the same prompts) against NumPy's on the maps that passed the reconstruction check.
 The distance to HF eager float32 is reported beside it: there fp8's rounding is the model's own numerics."""
 
 import json
@@ -16,8 +17,8 @@ import os
 
 import numpy as np
 import pytest
-from reference import check_reconstruction, hf_attention, row_tv
-from test_engine_variants import serve, stats
+from reference import METRIC_FLOOR, METRIC_FLOOR_DEFAULT, check_reconstruction, hf_attention, row_tv
+from test_engine_variants import bf16_attention, serve, stats
 from variant_models import WINDOW, build_gemma2, build_gptoss
 
 import attn_otel
@@ -26,11 +27,18 @@ pytestmark = pytest.mark.gpu
 KV_DTYPE = os.environ.get("TEST_KV_DTYPE", "fp8")  # passed to variant_serve.py, never set in os.environ
 
 
-@pytest.mark.parametrize("which", ["gemma2", "gptoss"])
-def test_fp8_variant_maps_reconstruct_the_backends_output(which, tmp_path):
-    model = (build_gemma2 if which == "gemma2" else build_gptoss)(tmp_path / "model")
-    store, got, _ = serve(tmp_path, model, env={"TEST_KV_DTYPE": KV_DTYPE})
-    assert got["captured"] == len(got["requests"]) and not got["dropped"]
+@pytest.fixture(scope="module", params=["gemma2", "gptoss"])
+def served(request, tmp_path_factory):
+    which = request.param
+    tmp = tmp_path_factory.mktemp(which)
+    model = (build_gemma2 if which == "gemma2" else build_gptoss)(tmp / "model")
+    store, got, _ = serve(tmp, model, "--twins", env={"TEST_KV_DTYPE": KV_DTYPE})
+    return which, model, store, got
+
+
+def test_fp8_variant_maps_reconstruct_the_backends_output(served):
+    which, model, store, got = served
+    assert got["captured"] == len(got["requests"]) + len(got["twins"]) and not got["dropped"]
     assert sorted(s["index"] for s in got["layers"]) == list(range(4 if which == "gemma2" else 2))
     recon, tv = [], {}
     for r in got["requests"]:
@@ -52,3 +60,54 @@ def test_fp8_variant_maps_reconstruct_the_backends_output(which, tmp_path):
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu_variants-{which}-{KV_DTYPE}.json"), "w") as f:
             json.dump(report, f, indent=1)
+
+
+def test_fp8_streamed_metrics_match_the_backends_own_maps(served):
+    """The second wave's prompts again, metrics only: every layer's per-row metrics come from the stream's
+    kernels (windowed layers from the K-only tap, rounded to fp8; full layers from the fp8 cache), not from maps.
+    The reference is what the backend computed: NumPy's per-row metrics on the maps of the same prompt's maps
+    capture (which passed the maps x V check), over the rows whose tokens agree.  The bound is calibrated as
+    everywhere (tests/reference.py): within FACTOR times HF bf16's own drift from HF fp32 on those rows, plus
+    float16 storage's floor.  A key left in bf16, a window off by one or a sink left out moves rows by far more."""
+    from numpy_metrics import per_row_metrics
+    from reference import Calibrated
+
+    which, model, store, got = served
+    window = {s["index"]: s["window"] for s in got["layers"]}
+    assert sorted(got["streamed"]) == sorted(window), "every layer streamed"
+    maps_of = {tuple(r["prompt"]): r for r in got["requests"]}
+    cal, compared = Calibrated(), 0
+    for t in got["twins"]:
+        r = maps_of[tuple(t["prompt"])]
+        a, b = r["prompt"] + r["output"], t["prompt"] + t["output"]
+        agree = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        (mcap,) = attn_otel.open_trace(r["trace_id"], store=store)
+        (tcap,) = attn_otel.open_trace(t["trace_id"], store=store)
+        assert mcap.has_maps and not tcap.has_maps and tcap.layers == mcap.layers == sorted(window)
+        T = min(agree, mcap.num_tokens, tcap.num_tokens)  # row i reads tokens 0..i only
+        maps = mcap.maps()[:, :, :T, :T]
+        ref, bf = hf_attention(model, a[:T]), bf16_attention(model, a[:T])
+        for li in tcap.layers:
+            group = f"{which} {KV_DTYPE} {'windowed' if window[li] else 'full'} "
+            own = per_row_metrics(maps[li], tcap.prompt_len, window=window[li])
+            hf32 = per_row_metrics(ref[li], tcap.prompt_len, window=window[li])
+            hf16 = per_row_metrics(bf[li], tcap.prompt_len, window=window[li])
+            for name, o in own.items():
+                g = np.asarray(tcap.metrics[name][li][:, :T], np.float64)
+                assert np.array_equal(np.isnan(g), np.isnan(o)), (group, name, "NaN where the maps have a value")
+                ok = ~np.isnan(o) & ~np.isnan(hf32[name])
+                cal.add(group + name, np.abs(g[ok] - o[ok]), np.abs(hf16[name][ok] - hf32[name][ok]),
+                        floor=METRIC_FLOOR.get(name, METRIC_FLOOR_DEFAULT))
+            if which == "gptoss":  # the sink's share: 1 - the row sum of the backend's own maps
+                share = np.asarray(tcap.metrics["learned_sink_mass"][li][:, :T], np.float64)
+                cal.add(group + "learned_sink_mass", np.abs(share - (1 - maps[li].sum(-1))),
+                        np.abs(bf[li].sum(-1) - ref[li].sum(-1)))
+        compared += T
+    assert compared >= 8 * 50, f"only {compared} rows compared"
+    report = cal.report()
+    print(f"\n{which} {KV_DTYPE} streamed metrics against the backend's maps:", json.dumps(report))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"gpu_variants-streamed-{which}-{KV_DTYPE}.json"), "w") as f:
+            json.dump({"attention_impl": got["attention_impl"], "kv_cache_dtype": KV_DTYPE, "rows": compared,
+                       "metrics": report}, f, indent=1)
+    cal.check(f"{which} {KV_DTYPE}")
