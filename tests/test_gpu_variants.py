@@ -7,9 +7,10 @@ tiny Gemma 2 and gpt-oss of tests/variant_models.py, served as tests/test_engine
 Where attn-otel keeps a layer's keys itself (the map layers' Q/K tap; since 2026-11-26 also the K-only tap of
 windowed layers streamed by a full-attention group's slots) it rounds them to the cache's fp8 format as vLLM's
 cache write does, so that each maps capture's check (``ATTN_OTEL_VERIFY``: maps times the values, rounded the
-same way, against the layer's own output) holds within fp8's precision.  Not run on an H100 since the windowed
-layers moved to the stream: test_fp8_streamed_metrics_match_the_backends_own_maps checks those per-row metrics
-(metrics-only captures of the same prompts) against NumPy's on the maps that passed the reconstruction check.
+same way, against the layer's own output) holds within fp8's precision.  Every layer is streamed, so
+test_fp8_streamed_metrics_match_the_backends_own_maps checks the stream kernel's per-row metrics under fp8
+against NumPy's on the maps that passed that check (docs/support.md has the H100 figures; vLLM 0.26 does not
+serve fp8_e5m2 on FLASH_ATTN or TRITON_ATTN at all).
 The distance to HF eager float32 is reported beside it: there fp8's rounding is the model's own numerics."""
 
 import json
