@@ -667,6 +667,12 @@ def _fp8_terms(layer) -> tuple[float, str | None]:
                      "FLASH_ATTN's and TRITON_ATTN's cache)")
     if getattr(layer, "calculate_kv_scales", False):
         return 1.0, "fp8 KV cache with scales computed at run time (calculate_kv_scales)"
+    for which in ("k", "v", "q"):  # compressed-tensors' attn_head strategy: one scale per KV head
+        scale = getattr(layer, f"_{which}_scale", None)
+        n = scale.numel() if hasattr(scale, "numel") else 1
+        if n > 1:
+            return 1.0, (f"fp8 KV cache with per-head scales ({which}_scale has {n} values; attn-otel applies "
+                         "one scale per tensor)")
     factor = float(getattr(layer, "_k_scale_float", 1.0))
     if getattr(layer, "query_quant", None) is not None and getattr(impl, "supports_quant_query_input", False):
         factor *= float(getattr(layer, "_q_scale_float", 1.0))
