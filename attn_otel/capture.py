@@ -34,7 +34,7 @@ from .finish import BatchedMetrics
 from .handoff import ByteBudget, Handoff, at_exit
 from .hostmem import SegmentPool
 from .plan import Planner
-from .stats import Stats, WarnOnce, write_stats_file
+from .stats import Stats, WarnOnce, quantiles, write_stats_file
 from .stream import MetricsStream, Side
 from .tap import LayerSpec, MapTap, QKTap, capture_bytes_per_token
 from .tracking import FinishedRequest, Parallel
@@ -226,7 +226,8 @@ class CaptureEngine:
         if st is not None:
             snap.update(streamed_layers=sorted(self.streamed), stream_rows=st.rows, stream_flushes=st.flushes,
                         stream_flushed_rows=st.flushed_rows, stream_pending_rows=st.pending(),
-                        stream_host_s=st.host_s, stream_device_s=st.device_s)
+                        stream_host_s=st.host_s, stream_device_s=st.device_s,
+                        stream_flush_times=quantiles(st.flush_times))
         return snap
 
     def _dump_loop(self) -> None:

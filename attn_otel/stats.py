@@ -65,10 +65,18 @@ class Stats:
             if percentiles:
                 for name in ("latencies", "write_latencies", "loop_times", "step_times", "finish_batch_times",
                              "finish_batch_sizes"):
-                    vals = np.asarray(getattr(self, name), dtype=np.float64)
-                    snap[name] = ({q: float(np.quantile(vals, float(q[1:]) / 100)) for q in ("p50", "p90", "p99")}
-                                  | {"n": int(vals.size), "max": float(vals.max())}) if vals.size else {"n": 0}
+                    snap[name] = quantiles(getattr(self, name))
             return snap
+
+
+def quantiles(values) -> dict[str, float]:
+    """``{"p50", "p90", "p99", "n", "max"}`` of a sequence another thread may append to (copied first, in one
+    step under the GIL); ``{"n": 0}`` when empty."""
+    vals = np.asarray(list(values), dtype=np.float64)
+    if not vals.size:
+        return {"n": 0}
+    return {q: float(np.quantile(vals, float(q[1:]) / 100)) for q in ("p50", "p90", "p99")} | {
+        "n": int(vals.size), "max": float(vals.max())}
 
 
 def write_stats_file(stats_dir: str, snap: dict[str, Any]) -> None:

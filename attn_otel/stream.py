@@ -30,6 +30,7 @@ slots.  Maps need every query at finish, so map layers keep the tap (see ``ATTN_
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -272,8 +273,8 @@ class MetricsStream:
         self._live: dict[str, _Live] = {}
         self._by_idx: dict[int, str] = {}
         self._next = 0
-        self.flushes = 0
-        self.flushed_rows = 0
+        self.flushes = self.flushed_rows = 0
+        self.flush_times: collections.deque[float] = collections.deque(maxlen=10_000)  # seconds (see _flush)
         self.host_s = 0.0  # engine-loop time spent here (schedule and flush)
 
     # ------------------------------------------------------------------ sizes
@@ -345,9 +346,8 @@ class MetricsStream:
     # ------------------------------------------------------------------ engine loop, before a forward
     def schedule(self, items: Iterable[tuple[str, Any, int, int]]) -> None:
         """This step's tokens: ``(request id, tracked record, first position, count)`` per request.  Gives
-        them ring rows (flushing everything pending first when they do not fit) and uploads their slots'
-        ring rows, so the forward writes each query to its row.  Vectorised but for one short Python step
-        per request (a decode step of 256 requests costs a fraction of a millisecond)."""
+        them ring rows (flushing everything pending first when they do not fit) and uploads their slots' ring
+        rows, so the forward writes each query to its row (one short Python step per request)."""
         t0 = time.perf_counter()
         try:
             self._schedule([it for it in items if it[3] > 0])
@@ -454,11 +454,11 @@ class MetricsStream:
         """Compute these requests' pending rows (one kernel launch per streamed layer) and free their rows."""
         t0 = time.perf_counter()
         try:
-            self._flush(lives)
+            self._flush(lives, t0)
         finally:
             self.host_s += time.perf_counter() - t0
 
-    def _flush(self, lives: Sequence[_Live]) -> None:
+    def _flush(self, lives: Sequence[_Live], t0: float) -> None:
         lives = sorted((lv for lv in lives if lv.count), key=lambda lv: lv.idx)
         if not lives:
             return
@@ -504,6 +504,7 @@ class MetricsStream:
             lv.count = 0
         self.flushes += 1
         self.flushed_rows += n
+        self.flush_times.append(time.perf_counter() - t0)  # host time of a flush that had rows to compute
 
     # ------------------------------------------------------------------ at finish
     def gather(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

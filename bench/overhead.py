@@ -81,7 +81,11 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              "default-nomaps": {"ATTN_OTEL": "1", "ATTN_OTEL_MAPS_SAMPLE": "0"},
              # finished requests' capture work in the step each finishes, not batched over 16 steps (run 21:
              # the batched default's ITL p99 was x1.40 against run 18's code's x1.26 on one machine)
-             "default-finish0": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_STEPS": "0"}}
+             "default-finish0": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_STEPS": "0"},
+             # a query ring twice the server's 8,192-token step: a full step then never waits for the flush of
+             # the rows before it (run 22: the tail is per-step host work; the flushes' share is in the stats'
+             # stream_flush_times)
+             "default-rows16k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "16384"}}
 
 
 def _model_dir() -> str:

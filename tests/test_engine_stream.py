@@ -55,7 +55,7 @@ for bi, prompts in enumerate(batches):
                      "prompt_len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0, "mode": mode})
 (engine,) = vllm_adapter.engines()
 assert engine.flush(120)
-snap = engine.stats.snapshot(percentiles=True)
+snap = engine.stats_snapshot()  # the stats file's contents: the counters, percentiles and the engine's gauges
 st = engine.stream
 json.dump({"runs": runs, "preempted": len(preempted), "stats": snap, "streamed": sorted(engine.streamed),
            "map_layers": list(engine.map_layers), "flushes": st.flushes, "flushed_rows": st.flushed_rows,
@@ -95,6 +95,9 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
     assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]
     assert stats["finish_batch_times"]["max"] > 0 and stats["finish_batch_sizes"]["max"] >= 1
+    # and every flush of the stream (each one's host time on the engine loop)
+    assert stats["stream_flushes"] == res["flushes"] == stats["stream_flush_times"]["n"], stats
+    assert 0 < stats["stream_flush_times"]["p50"] <= stats["stream_flush_times"]["max"] <= stats["stream_host_s"]
 
 
 def test_streamed_and_map_layers_equal_hf_eager(streamed_run, smollm2_path):
