@@ -120,7 +120,7 @@ def test_per_head_fp8_scales_are_refused_by_name_and_the_model_still_served(fp8_
 
     from attn_otel import vllm_adapter
 
-    llm, _, scales, warnings = fp8_engine
+    llm, _, _, warnings = fp8_engine
     if KV_SCALES != "per-head":
         assert not any("per-head scales" in w for w in warnings), warnings
         return

@@ -19,8 +19,8 @@ import os
 import numpy as np
 import pytest
 from reference import METRIC_FLOOR, METRIC_FLOOR_DEFAULT, check_reconstruction, hf_attention, row_tv
-from test_engine_variants import bf16_attention, serve, stats
-from variant_models import WINDOW, build_gemma2, build_gptoss
+from test_engine_variants import BUILD, bf16_attention, serve, stats
+from variant_models import WINDOW
 
 import attn_otel
 
@@ -32,7 +32,7 @@ KV_DTYPE = os.environ.get("TEST_KV_DTYPE", "fp8")  # passed to variant_serve.py,
 def served(request, tmp_path_factory):
     which = request.param
     tmp = tmp_path_factory.mktemp(which)
-    model = (build_gemma2 if which == "gemma2" else build_gptoss)(tmp / "model")
+    model = BUILD[which](tmp / "model")
     store, got, _ = serve(tmp, model, "--twins", env={"TEST_KV_DTYPE": KV_DTYPE})
     return which, model, store, got
 
