@@ -83,8 +83,16 @@ class LocalBackend:
         """``{key: size}`` of the files under ``prefix``, keys relative to the store root."""
         if not self.root.is_dir():
             return {}
-        files = (p for p in self.root.rglob("*") if p.is_file())
-        return {k: p.stat().st_size for p in files if (k := p.relative_to(self.root).as_posix()).startswith(prefix)}
+        found = {}
+        for p in self.root.rglob("*"):
+            if not (k := p.relative_to(self.root).as_posix()).startswith(prefix):
+                continue
+            try:  # a live writer renames its ``.partial`` files into place: one listed can be gone by the stat
+                if p.is_file():
+                    found[k] = p.stat().st_size
+            except FileNotFoundError:
+                continue
+        return found
 
     def outside_keys(self) -> list[str]:
         """Files next to the store (in its parent folder) that are not inside it."""
