@@ -34,6 +34,7 @@ from .finish import BatchedMetrics
 from .handoff import ByteBudget, Handoff, at_exit
 from .hostmem import SegmentPool
 from .plan import Planner
+from .slots import ring_waits
 from .stats import Stats, WarnOnce, quantiles, write_stats_file
 from .stream import MetricsStream, Side
 from .tap import LayerSpec, MapTap, QKTap, capture_bytes_per_token
@@ -221,7 +222,8 @@ class CaptureEngine:
                     device_queue_pending_bytes=self.device_budget.pending_bytes,
                     tap_bytes=self.device_bytes(), tap_slots=self.tap.num_slots, layers=list(self.layer_ids),
                     tap_bytes_per_token=self.bytes_per_token(), finish_device_s=self.finish_device_s,
-                    side_stream_waits=self.side.waits, fused_kv_layers=self.fused_kv_layers)
+                    side_stream_waits=self.side.waits, side_stream_wait_causes=dict(self.side.wait_causes),
+                    upload_ring_waits=ring_waits(), fused_kv_layers=self.fused_kv_layers)
         st = self.stream
         if st is not None:
             snap.update(streamed_layers=sorted(self.streamed), stream_rows=st.rows, stream_flushes=st.flushes,

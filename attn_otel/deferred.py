@@ -9,7 +9,8 @@ and says when they must be taken (:meth:`DeferredFinish.due`):
 
 * a block of theirs is among the blocks this step gives a request to write (newly allocated, or past a new
   request's cached prefix): vLLM is reusing it;
-* the step schedules no token: the engine is going idle, and nothing would come back to take them;
+* the step schedules no token and no request is left: the engine is going idle, and nothing would come back to
+  take them (a step of no token while requests run, which async scheduling makes, is not that);
 * one of them was planned for maps (the map tap's fixed rows are needed back soon), or there are
   ``max_requests`` of them, or the oldest has waited ``max_steps`` steps.
 
@@ -37,6 +38,7 @@ class DeferredFinish:
         self._blocks: list[np.ndarray] = []
         self._age = 0  # steps since the oldest held one finished
         self.batches = 0  # batches taken (stats)
+        self.reason = ""  # why the last due() said yes: idle, maps, count, age or reuse (stats)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -69,11 +71,16 @@ class DeferredFinish:
         if not self.req_ids:
             return False
         self._age += 1
-        if idle or self.maps or len(self.finished) >= self.max_requests or self._age > self.max_steps:
-            return True
+        for reason, hit in (("idle", idle), ("maps", self.maps), ("count", len(self.finished) >= self.max_requests),
+                            ("age", self._age > self.max_steps)):
+            if hit:
+                self.reason = reason
+                return True
         if fresh.size:
             fresh = fresh[fresh < self._held.shape[0]]
-            return bool(self._held[fresh].any())
+            if self._held[fresh].any():
+                self.reason = "reuse"
+                return True
         return False
 
     def take(self) -> tuple[list[str], list[Any]]:

@@ -94,6 +94,11 @@ def _ring(device: torch.device) -> _PinnedRing:
     return ring
 
 
+def ring_waits() -> int:
+    """Uploads, on every device, that found their region of the pinned ring still being read: each a host sync."""
+    return sum(r.waits for r in list(_RINGS.values()))
+
+
 def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on ``device`` with no sync: through pinned memory, non-blocking, on a GPU (a blocking
     copy would wait for, and so drain, the work the engine has queued ahead)."""

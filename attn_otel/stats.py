@@ -47,6 +47,10 @@ class Stats:
         # the requests in it: the batch lands in one step, so its time is that step's extra latency
         self.finish_batch_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.finish_batch_sizes: collections.deque[float] = collections.deque(maxlen=10_000)
+        # why each batch was taken then (attn_otel.deferred.DeferredFinish.due), and the steps that scheduled no
+        # token while vLLM still held requests (async scheduling makes them: they are not the engine going idle)
+        self.finish_batch_reasons: collections.Counter[str] = collections.Counter()
+        self.empty_steps = 0
 
     def add(self, field: str, n: int = 1, reason: str | None = None) -> None:
         with self._lock:
@@ -61,6 +65,8 @@ class Stats:
                                     "maps_stored": self.maps_stored, "dropped": dict(self.dropped),
                                     "skipped": dict(self.skipped), "export_errors": dict(self.export_errors),
                                     "bytes_written": self.bytes_written,
+                                    "finish_batch_reasons": dict(self.finish_batch_reasons),
+                                    "empty_steps": self.empty_steps,
                                     "step_host_s": {k: round(v, 4) for k, v in self.step_parts.items()}}
             if percentiles:
                 for name in ("latencies", "write_latencies", "loop_times", "step_times", "finish_batch_times",

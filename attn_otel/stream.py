@@ -118,6 +118,7 @@ class Side:
         self._busy: dict[int, np.ndarray] = {}  # KV-cache group -> per block the last work reading it
         self._busy_max = 0
         self.waits = 0  # times the engine's stream had to wait for capture work
+        self.wait_causes: collections.Counter[str] = collections.Counter()  # the same, by what it waited for
 
     def begin(self) -> None:
         """Before this step's capture work: it comes after the forwards enqueued so far."""
@@ -146,13 +147,15 @@ class Side:
             self._safe = max(self._safe, self._events.pop(0)[0])
         return seq <= self._safe
 
-    def wait(self, seq: int) -> None:
-        """Make the engine's stream wait for work ``seq`` (no host sync)."""
+    def wait(self, seq: int, cause: str = "blocks") -> None:
+        """Make the engine's stream wait for work ``seq`` (no host sync); ``cause`` names what the forward would
+        overwrite (``blocks`` of finished requests, ``stream_ring`` or ``map_ring`` rows) in the stats."""
         if self.safe(seq):
             return
         ev = next(e for n, e in self._events if n >= seq)
         torch.cuda.current_stream(self.device).wait_event(ev)
         self.waits += 1
+        self.wait_causes[cause] += 1
         self._safe = max(self._safe, seq)
         self._events = [(n, e) for n, e in self._events if n > seq]
 
@@ -309,7 +312,7 @@ class MetricsStream:
         if not self._inflight:
             return
         if wait:
-            self.side.wait(self._inflight[-1][0])
+            self.side.wait(self._inflight[-1][0], "stream_ring")
         while self._inflight and self.side.safe(self._inflight[0][0]):
             rows = self._inflight.pop(0)[1]
             n = rows.shape[0]

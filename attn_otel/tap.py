@@ -370,6 +370,6 @@ class MapTap:
         if not self._inflight or self.side is None:
             return
         if wait:
-            self.side.wait(self._inflight[-1][0])
+            self.side.wait(self._inflight[-1][0], "map_ring")
         while self._inflight and self.side.safe(self._inflight[0][0]):
             self._free.extend(self._inflight.pop(0)[1])

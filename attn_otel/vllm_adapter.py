@@ -1191,7 +1191,13 @@ def _track(runner, engine, so, t0: float) -> None:
             items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
         if deferred and cached.new_block_ids[i] is not None:
             fresh.extend(cached.new_block_ids[i])
-    if deferred.due(flat_blocks(fresh), not int(getattr(so, "total_num_scheduled_tokens", 1))):
+    # A step of no token is the engine going idle only where no request is left: under async scheduling vLLM
+    # makes such steps while requests run, and taking the batch there made most batches one request.
+    empty = not int(getattr(so, "total_num_scheduled_tokens", 1))
+    if empty and len(tracker):
+        engine.stats.empty_steps += 1
+    if deferred.due(flat_blocks(fresh), empty and not len(tracker)):
+        engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take()
         tb = time.perf_counter()
         _finish_batch(engine, req_ids, batch)

@@ -26,7 +26,7 @@ def test_held_until_one_of_their_blocks_is_given_out_again():
     d.add(["a", "b"], [fin([3, 4], [9]), fin([7])])
     assert not d.due(none(), idle=False)
     assert not d.due(np.array([1, 2, 5, 8, 100_000]), idle=False)  # others' blocks, one past the mark table
-    assert d.due(np.array([2, 9]), idle=False)  # a block of a's second KV-cache group
+    assert d.due(np.array([2, 9]), idle=False) and d.reason == "reuse"  # a block of a's second KV-cache group
     ids, finished = d.take()
     assert ids == ["a", "b"] and [f.block_ids for f in finished] == [[[3, 4], [9]], [[7]]]
     assert len(d) == 0 and d.batches == 1
@@ -49,6 +49,7 @@ def test_taken_when_the_engine_goes_idle_for_maps_when_old_or_when_many(why):
     due = [d.due(none(), idle=why == "idle") for _ in range(4)]
     want = {"idle": [True] * 4, "maps": [True] * 4, "count": [True] * 4, "age": [False, False, False, True]}[why]
     assert due == want
+    assert d.reason == why  # the stats' finish_batch_reasons
 
 
 def test_age_counts_from_the_oldest_held_request():

@@ -95,6 +95,13 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
     assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]
     assert stats["finish_batch_times"]["max"] > 0 and stats["finish_batch_sizes"]["max"] >= 1
+    # each with the rule that took it (each generate() ends idle: one batch for that at least)
+    reasons = stats["finish_batch_reasons"]
+    assert sum(reasons.values()) == res["finish_batches"] and reasons.get("idle", 0) >= 1, reasons
+    assert set(reasons) <= {"idle", "maps", "count", "age", "reuse"}, reasons
+    # the engine's stream waited for capture work only for a named cause, and every wait is counted once
+    assert sum(stats["side_stream_wait_causes"].values()) == stats["side_stream_waits"], stats
+    assert stats["upload_ring_waits"] == 0  # a CPU build uploads nothing through the pinned ring
     # and every flush of the stream (each one's host time on the engine loop)
     assert stats["stream_flushes"] == res["flushes"] == stats["stream_flush_times"]["n"], stats
     assert 0 < stats["stream_flush_times"]["p50"] <= stats["stream_flush_times"]["max"] <= stats["stream_host_s"]
