@@ -9,8 +9,7 @@ and says when they must be taken (:meth:`DeferredFinish.due`):
 
 * a block of theirs is among the blocks this step gives a request to write (newly allocated, or past a new
   request's cached prefix): vLLM is reusing it;
-* the step schedules no token and no request is left: the engine is going idle, and nothing would come back to
-  take them (a step of no token while requests run, which async scheduling makes, is not that);
+* the step schedules no token: the engine is going idle, and nothing would come back to take them;
 * one of them was planned for maps (the map tap's fixed rows are needed back soon), or there are
   ``max_requests`` of them, or the oldest has waited ``max_steps`` steps.
 

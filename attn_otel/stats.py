@@ -48,7 +48,7 @@ class Stats:
         self.finish_batch_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.finish_batch_sizes: collections.deque[float] = collections.deque(maxlen=10_000)
         # why each batch was taken then (attn_otel.deferred.DeferredFinish.due), and the steps that scheduled no
-        # token while vLLM still held requests (async scheduling makes them: they are not the engine going idle)
+        # token while requests were still running (each takes the held batch as if the engine went idle)
         self.finish_batch_reasons: collections.Counter[str] = collections.Counter()
         self.empty_steps = 0
 

@@ -1191,12 +1191,10 @@ def _track(runner, engine, so, t0: float) -> None:
             items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
         if deferred and cached.new_block_ids[i] is not None:
             fresh.extend(cached.new_block_ids[i])
-    # A step of no token is the engine going idle only where no request is left: under async scheduling vLLM
-    # makes such steps while requests run, and taking the batch there made most batches one request.
     empty = not int(getattr(so, "total_num_scheduled_tokens", 1))
-    if empty and len(tracker):
+    if empty and len(tracker):  # a step of no token while requests run (async scheduling makes a few)
         engine.stats.empty_steps += 1
-    if deferred.due(flat_blocks(fresh), empty and not len(tracker)):
+    if deferred.due(flat_blocks(fresh), empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take()
         tb = time.perf_counter()
