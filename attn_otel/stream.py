@@ -43,6 +43,7 @@ import torch
 from . import triton_metrics
 from .attention import KERNEL_METRICS, METRICS, attention_metrics, metric_width
 from .slots import slots_many, slots_of, upload, upload_many
+from .spill import SpillBlocks, spill_base
 
 logger = logging.getLogger("attn_otel")
 
@@ -225,7 +226,7 @@ class MetricsStream:
 
     def __init__(self, layers: Sequence[Any], num_slots: int, rows: int, dtype: torch.dtype, device,
                  block_size: int, sink_tokens: int = 4, key_caches: dict[int, torch.Tensor] | None = None,
-                 side: Side | None = None, vision: bool = True):
+                 side: Side | None = None, vision: bool = True, spill_slots: int = 0):
         if not layers:
             raise ValueError("a stream needs at least one layer")
         shapes = {(s.num_heads, s.num_kv_heads, s.head_dim, s.group) for s in layers}
@@ -243,8 +244,11 @@ class MetricsStream:
         # the metrics kept per slot (slot_rows), and where each lands in the full [.., width, H] rows at gather
         self.slot_rows = slot_rows(self.layers, vision)
         self.width = metric_width(self.layers)
-        self.metrics = torch.full((L, S + 1, len(self.slot_rows), H), float("nan"), dtype=torch.float16,
-                                  device=device)
+        # per-slot rows (slot S: padding), then spill blocks of finished requests' last blocks (attn_otel.spill)
+        self.spill_base = spill_base(S, self.block_size) if spill_slots else S + 1
+        self.metrics = torch.full((L, self.spill_base + spill_slots, len(self.slot_rows), H), float("nan"),
+                                  dtype=torch.float16, device=device)
+        self.spill = SpillBlocks(self, spill_slots) if spill_slots else None
         self._full_at = torch.tensor([METRICS.index(n) for n in self.slot_rows], dtype=torch.int64, device=device)
         self._window = torch.tensor([int(s.window or 0) for s in self.layers], dtype=torch.int64, device=device)
         self._chunk = torch.tensor([int(s.chunk or 0) for s in self.layers], dtype=torch.int64, device=device)
@@ -321,9 +325,7 @@ class MetricsStream:
             self._ninflight -= n
 
     def warm_up(self) -> int:
-        """Compile the flush kernel by running it on one row: the padding ring row against the key at slot 0,
-        whose metrics entry is reset after.  At engine start, before any request; returns the number of
-        launches."""
+        """Compile the flush kernel on the padding ring row (FlushKernels.warm_up); returns the launches."""
         return self.kernels.warm_up(self.rows)
 
     @property
@@ -443,8 +445,7 @@ class MetricsStream:
         self.flush([self._live[r] for r in req_ids if r in self._live])
 
     def lost(self, req_id: str) -> bool:
-        live = self._live.get(req_id)
-        return bool(live is not None and live.lost)
+        return bool(req_id in self._live and self._live[req_id].lost)
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Finished requests (after :meth:`finish` and their captures were gathered)."""
@@ -657,8 +658,9 @@ class FlushKernels:
                 self.metrics[li].index_copy_(0, out_slots, rows_m.permute(2, 0, 1).to(torch.float16))
 
     def warm_up(self, pad_row: int) -> int:
-        """Compile the flush kernel on one row (the ring's padding row ``pad_row``); see
-        :meth:`MetricsStream.warm_up`."""
+        """Compile the flush kernel by running it on one row, the ring's padding row ``pad_row``, against the
+        key at slot 0, whose metrics entry is reset after.  At engine start, before any request; returns the
+        number of launches."""
         if not self.fused:
             return 0
 

@@ -21,6 +21,7 @@ import torch
 
 from . import triton_metrics
 from .slots import slots_of, upload
+from .spill import spill_bytes
 from .stream import MetricsStream, keys_at
 
 
@@ -163,7 +164,7 @@ def _budget(available, kv_per_token, specs, maps, streamed, keys_from_cache, row
             local_streamed) -> Budget:
     tapped = [s for s in specs if s not in streamed]
     tap = capture_bytes_per_token(tapped, streamed, keys_from_cache, dtype, vision)
-    fixed = MetricsStream.ring_bytes(streamed, rows, dtype) if streamed else 0
+    fixed = MetricsStream.ring_bytes(streamed, rows, dtype) + spill_bytes(streamed) if streamed else 0
     mapped = [s for s in streamed if s.index in maps]
     if mapped:  # the map tap: a fixed number of rows (its slot table counted per token)
         fixed += MapTap.nbytes_for(mapped, map_tap_rows, 0, dtype)

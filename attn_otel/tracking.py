@@ -52,6 +52,7 @@ class FinishedRequest:
     vision_positions: np.ndarray | None = None  # bool [>= num_tokens], True on image-embedding tokens
     token_ids_device: torch.Tensor | None = None  # all token ids [>= num_tokens] on the device
     finish_reason: str | None = None  # vLLM's: stop, length, abort, error, repetition (None: not known)
+    spill: tuple[int, ...] = ()  # spill blocks in ``block_ids`` standing for its last block (attn_otel.spill)
 
 
 @dataclasses.dataclass

@@ -32,6 +32,7 @@ are refused by name with one log line; the rest of the model is still captured (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -412,8 +413,6 @@ def _window_groups(specs, kv_cache_config):
     their block size (every layer windowed, as Mistral 7B v0.1), they tap by attn-otel's own block table
     instead (:mod:`attn_otel.shadow`; ``group`` = ``len(kv_cache_groups)``, ``own_group`` their own).  Returns
     (specs kept, refusals)."""
-    import dataclasses
-
     groups = kv_cache_config.kv_cache_groups
     def keeps_all(spec) -> bool:  # FullAttentionSpec or a subclass of it (MLAAttentionSpec)
         return any(c.__name__ == "FullAttentionSpec" for c in type(spec).__mro__)
@@ -819,6 +818,7 @@ def _install(runner, kv_cache_config) -> None:
     maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, par)
     stream = None
     if streamed:
+        from .spill import SPILL_SLOTS
         from .stream import MetricsStream
 
         keys = {}
@@ -832,8 +832,10 @@ def _install(runner, kv_cache_config) -> None:
                                    "tapped", s.name)
                 else:
                     keys[s.index] = view
+        # spill blocks where a capture reads only streamed rows, so finished requests can wait for a batch
+        spill = SPILL_SLOTS if config.finish_batch_steps > 0 and len(streamed) == len(specs) and not shadowed else 0
         stream = MetricsStream(streamed, num_slots, rows, dtype, runner.device, block_sizes[streamed[0].group],
-                               config.sink_tokens, keys, vision=_takes_images(runner))
+                               config.sink_tokens, keys, vision=_takes_images(runner), spill_slots=spill)
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
@@ -1168,6 +1170,8 @@ def _track(runner, engine, so, t0: float) -> None:
             if t is not None:
                 side.taken_back(t.block_ids, seq)
     deferred = engine.deferred
+    if stream is not None and stream.spill is not None and done:
+        finished = _spill_finished(engine, done, finished)
     deferred.add(so.finished_req_ids, finished, any(t.maps for _, t in done))
     t1 = time.perf_counter()
     parts["finished_rows"] += t1 - t0
@@ -1213,6 +1217,37 @@ def _track(runner, engine, so, t0: float) -> None:
     parts["schedule"] += time.perf_counter() - t2
 
 
+def _spill_finished(engine, done: list, finished: list) -> list:
+    """The step's finished requests whose capture reads only streamed rows (not planned for maps, no row
+    lost): their pending rows computed now, and their last block's rows copied to a spill block that their
+    records name instead (attn_otel.spill), so vLLM may reuse that block (it does, at once) before their batch
+    is taken.  Returns the records, the spilled ones replaced."""
+    import numpy as np
+
+    stream, side = engine.stream, engine.side
+    g, bs = stream.group, stream.block_size
+    picks = [i for i, (r, t) in enumerate(done) if not t.maps and not stream.lost(r) and finished[i].num_tokens > 0
+             and len(finished[i].block_ids) > g and len(finished[i].block_ids[g]) * bs >= finished[i].num_tokens]
+    picks = picks[:stream.spill.free()]
+    if not picks:
+        return finished
+    ids = [done[i][0] for i in picks]
+    stream.finish(ids)  # their pending rows, while their keys are theirs
+    used = [-(-finished[i].num_tokens // bs) for i in picks]
+    virtual = stream.spill.copy([finished[i].block_ids[g][u - 1] for i, u in zip(picks, used)])
+    stream.forget(ids)
+    seq = side.mark()
+    out = list(finished)
+    for i, u, v in zip(picks, used, virtual):
+        f = finished[i]
+        blocks = list(f.block_ids[g])
+        side.reading(g, np.asarray(blocks[u - 1:], dtype=np.int64), seq)  # read by the flush and the copy
+        groups = [[] for _ in f.block_ids]  # a capture of streamed layers reads the stream's group only
+        groups[g] = blocks[:u - 1] + [v]
+        out[i] = dataclasses.replace(f, block_ids=groups, spill=(v,))
+    return out
+
+
 def _finish_batch(engine, req_ids: list[str], finished: list) -> None:
     """Finished requests' capture work (held by ``engine.deferred`` up to now), before any forward can write
     their blocks for another request: the streamed layers' pending rows of them (and of any request sharing
@@ -1228,8 +1263,11 @@ def _finish_batch(engine, req_ids: list[str], finished: list) -> None:
             engine.warn_once("window-tap-full", "attn-otel's own block table for windowed layers was full: %d "
                              "request(s) not captured (counted as dropped, window_tap_full; logged once)", lost)
             finished = kept
+    spilled = [v for f in finished for v in f.spill]
     if finished:
         engine.on_finished_many(finished)
+    if spilled:  # their gathers are enqueued: a later copy to these blocks comes after them
+        stream.spill.release(spilled)
     if maptap is not None and req_ids:  # their rows, once the gathers just enqueued have read them
         maptap.release(req_ids, side.mark())
     if stream is not None:

@@ -5,12 +5,14 @@ Both phases in one call, one engine each (a subprocess), the same requests: Smol
 CUDA vLLM where one is installed), ``ATTN_OTEL=1`` with its defaults, 160 requests with lognormal prompt and
 output lengths, half behind a shared 64-token system prompt (prefix-cache hits), 32 running at once, so that
 requests finish in most steps.  Reported per phase: attn-otel's host time before the forwards (``step_host_s``
-by part, ``step_times`` p50 / p99), the finish batches taken, the stream's flushes, captures and drops; and
-whether the greedy outputs are identical.  On the CPU build the forwards are slow and the stream's flushes run
+by part, ``step_times`` p50 / p99), the finish batches taken (their sizes, and the rule that took each one:
+attn_otel.deferred), the last blocks spilled (attn_otel.spill), the stream's flushes, captures and drops; and
+whether the greedy outputs are identical.  ``--baseline CHECKOUT`` adds a third phase: another attn-otel's
+batched finish (a git worktree of an earlier commit), its package first on PYTHONPATH.  On the CPU build the forwards are slow and the stream's flushes run
 on the torch path, so the figures are host seconds of attn-otel's own work, not the GPU's online latency
 (``bench/overhead.py --online`` measures that).
 
-    python3 bench/finish_batch.py [--out docs/benchmarks/finish-batch-cpu.json] [--requests 160]
+    python3 bench/finish_batch.py [--out docs/benchmarks/finish-batch-cpu.json] [--requests 160] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def phase(steps: int, n: int, out: Path) -> None:
               "step_host_s": snap["step_host_s"], "step_host_s_total": round(sum(snap["step_host_s"].values()), 4),
               "step_times_ms": {q: round(snap["step_times"][q] * 1e3, 3) for q in ("p50", "p90", "p99")},
               "finish_batches": engine.deferred.batches,
+              "finish_batch_sizes": {q: snap["finish_batch_sizes"][q] for q in ("p50", "p90", "max")},
+              "finish_batch_reasons": snap.get("finish_batch_reasons"), "empty_steps": snap.get("empty_steps"),
+              "spilled_blocks": getattr(getattr(engine.stream, "spill", None), "spilled", None),
               "finish_batch_ms": {q: round(snap["finish_batch_times"][q] * 1e3, 3)
                                   for q in ("p50", "p90", "p99", "max")},
               "stream_flushes": engine.stream.flushes if engine.stream is not None else None,
@@ -66,36 +71,54 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/benchmarks/finish-batch-cpu.json")
     ap.add_argument("--requests", type=int, default=160)
+    ap.add_argument("--baseline", help="a checkout of another attn-otel whose batched finish runs as a third "
+                    "phase (its package first on PYTHONPATH), e.g. a git worktree of an earlier commit")
     ap.add_argument("--phase", type=int, help=argparse.SUPPRESS)  # internal: one engine, in a subprocess
     ap.add_argument("--phase-out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.phase is not None:
         phase(a.phase, a.requests, Path(a.phase_out))
         return
+    phases = [("immediate (0)", 0, None), ("batched (16)", 16, None)]
+    if a.baseline:
+        phases.append(("batched (16), baseline", 16, str(Path(a.baseline).resolve())))
     got = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for steps in (0, 16):
-            out = Path(tmp) / f"{steps}.json"
-            print(f"phase ATTN_OTEL_FINISH_BATCH_STEPS={steps} ...", file=sys.stderr, flush=True)
+        for i, (name, steps, path) in enumerate(phases):
+            out = Path(tmp) / f"{i}.json"
+            print(f"phase {name} ...", file=sys.stderr, flush=True)
+            env = dict(os.environ)
+            if path:
+                env["PYTHONPATH"] = os.pathsep.join([path, *filter(None, [env.get("PYTHONPATH")])])
             subprocess.run([sys.executable, __file__, "--phase", str(steps), "--phase-out", str(out),
-                            "--requests", str(a.requests)], check=True, stdout=subprocess.DEVNULL)
-            got[steps] = json.loads(out.read_text())
+                            "--requests", str(a.requests)], check=True, stdout=subprocess.DEVNULL, env=env)
+            got[name] = json.loads(out.read_text())
+            if path:
+                rev = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip()
+                got[name]["attn_otel"] = f"{path} ({rev or 'not a git checkout'})"
     import platform
 
     import vllm
 
-    same = got[0].pop("outputs") == got[16].pop("outputs")
+    outputs = [r.pop("outputs") for r in got.values()]
+    first, batched = got["immediate (0)"], got["batched (16)"]
     report = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs", "vllm_version": vllm.__version__,
-              "outputs_identical": same, "phases": {"immediate (0)": got[0], "batched (16)": got[16]},
-              "ratio_step_host_s": round(got[16]["step_host_s_total"] / max(got[0]["step_host_s_total"], 1e-9), 3),
-              "ratio_captures_part": round(got[16]["step_host_s"]["captures"]
-                                           / max(got[0]["step_host_s"]["captures"], 1e-9), 3)}
+              "outputs_identical": all(o == outputs[0] for o in outputs), "phases": got,
+              "ratio_step_host_s": round(batched["step_host_s_total"] / max(first["step_host_s_total"], 1e-9), 3),
+              "ratio_captures_part": round(batched["step_host_s"]["captures"]
+                                           / max(first["step_host_s"]["captures"], 1e-9), 3)}
+    if a.baseline:
+        base = got["batched (16), baseline"]
+        report["ratio_step_host_s_to_baseline"] = round(batched["step_host_s_total"]
+                                                        / max(base["step_host_s_total"], 1e-9), 3)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "phases"}, indent=1))
     for name, r in report["phases"].items():
         print(f"{name}: host {r['step_host_s_total']} s over {r['steps']} steps {r['step_host_s']}, step p50/p99 "
-              f"{r['step_times_ms']['p50']}/{r['step_times_ms']['p99']} ms, {r['finish_batches']} finish batches, "
+              f"{r['step_times_ms']['p50']}/{r['step_times_ms']['p99']} ms, {r['finish_batches']} finish batches "
+              f"(sizes {r['finish_batch_sizes']}, taken for {r['finish_batch_reasons']}), "
               f"{r['stream_flushes']} flushes, {r['captured']} captured, dropped {r['dropped']}")
 
 

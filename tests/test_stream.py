@@ -46,7 +46,7 @@ class Toy:
     FLASH_ATTN's ``(blocks, Hkv, BS, K|V)`` tensor, as vllm_adapter._key_cache_view takes it), and a stream."""
 
     def __init__(self, rows: int, num_blocks: int = 64, keys_in_cache: bool = True, seed: int = 0,
-                 device: str = "cpu", slow: bool = False):
+                 device: str = "cpu", slow: bool = False, spill: int = 0):
         self.g = torch.Generator().manual_seed(seed)
         self.num_blocks = num_blocks
         self.device = device
@@ -58,7 +58,8 @@ class Toy:
             assert self.cache[s.index].shape == (num_blocks, BS, HKV, D)
         keys = {i: c for i, c in self.cache.items()} if keys_in_cache else None
         self.keys_in_cache = keys_in_cache
-        self.stream = MetricsStream(LAYERS, num_blocks * BS, rows, torch.bfloat16, device, BS, 4, keys)
+        self.stream = MetricsStream(LAYERS, num_blocks * BS, rows, torch.bfloat16, device, BS, 4, keys,
+                                    spill_slots=spill)
         self.q, self.k, self.t = {}, {}, {}
         self.free = list(range(num_blocks))[::-1]
         self.slow = slow  # GPU: every step's capture work starts behind a sleep, far behind the forwards
@@ -184,6 +185,47 @@ def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache
     # the ring's rows all came back, and no slot still points at one
     toy.stream._reclaim(wait=True)
     assert toy.stream._nfree == rows and bool((toy.stream.ring_of_slot == rows).all())
+
+
+def test_a_spilled_last_block_outlives_its_reuse(device):
+    """A finished request's last block, copied to a spill block (attn_otel.spill) once its pending rows are
+    flushed, goes straight to another request (as vLLM hands out a block with no prefix hash), whose rows there
+    are computed over the first one's; the first request's rows, gathered through the spill block, still equal
+    the reference, and its real block's rows no longer do."""
+    toy = Toy(rows=1000, device=device, spill=2 * BS)
+    st = toy.stream
+    assert st.spill.free() == 2 and st.metrics.shape[1] == st.spill_base + 2 * BS
+    assert st.spill_base % BS == 0 and st.spill_base > toy.num_blocks * BS  # past the real slots and padding
+    toy.new("a", 14, prompt_len=10)  # 14 tokens: 4 blocks, the last one half full
+    toy.step([("a", 0, 10)])
+    for p in range(10, 14):
+        toy.step([("a", p, 1)])
+    t = toy.t["a"]
+    last = t.block_ids[0][-1]
+    st.finish(["a"])  # as the adapter does in the step a finishes (vllm_adapter._spill_finished)
+    (v,) = st.spill.copy([last])
+    assert v == st.spill_base // BS and st.spill.free() == 1 and st.spill.spilled == 1
+    st.forget(["a"])
+    toy.free.append(last)  # the head of the free queue: the next request gets it
+    toy.new("c", 6, prompt_len=6)
+    assert toy.t["c"].block_ids[0][0] == last
+    toy.step([("c", 0, 6)])
+    toy.t["c"].written = 6
+    toy.step([], finished=["c"])  # c's rows computed: written over a's in the real block
+    side = st.side
+    side.begin()
+    with side.context():
+        spilled = st.gather(torch.from_numpy(slots_of(t.block_ids[0][:-1] + [v], BS, 0, 14)).to(toy.device),
+                            torch.arange(14, device=toy.device))
+        real = st.gather(torch.from_numpy(slots_of(t.block_ids[0], BS, 0, 14)).to(toy.device),
+                         torch.arange(14, device=toy.device))
+    if side.stream is not None:
+        torch.cuda.current_stream().wait_stream(side.stream)
+    toy.check("a", spilled)
+    assert not torch.equal(real[:, 12:].nan_to_num(), spilled[:, 12:].nan_to_num())
+    st.spill.release([v])
+    assert st.spill.free() == 2
+    assert len(st.spill.copy([1, 2, 3])) == 2 and st.spill.free() == 0  # as many as are free
 
 
 def test_a_prefix_hit_on_a_live_requests_pending_rows(device):
