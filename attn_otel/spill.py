@@ -24,13 +24,20 @@ import numpy as np
 
 from .slots import upload_many
 
-SPILL_SLOTS = 2048  # metric-row slots of spill blocks per stream (128 blocks of 16 tokens)
+SPILL_BLOCKS = 72  # a full batch (attn_otel.deferred's 64 requests) and a step's more
+SPILL_MAX_SLOTS = 4096  # fewer blocks where blocks are large (the CPU build's 128 tokens: 32)
 
 
-def spill_bytes(layers: Sequence[Any], width: int = 8) -> int:
+def spill_slots(block_size: int) -> int:
+    """The metric-row slots of a stream's spill blocks, for this KV-cache block size."""
+    bs = int(block_size)
+    return max(1, min(SPILL_BLOCKS, SPILL_MAX_SLOTS // bs)) * bs
+
+
+def spill_bytes(layers: Sequence[Any], block_size: int, width: int = 8) -> int:
     """A bound of the device bytes spill blocks add to a stream of these layers (float16 rows of at most
-    ``width`` metrics; twice SPILL_SLOTS covers the alignment to a block of up to that many slots)."""
-    return 2 * SPILL_SLOTS * width * sum(int(s.num_heads) for s in layers) * 2
+    ``width`` metrics, the spill slots and up to a block's more for their alignment)."""
+    return (spill_slots(block_size) + int(block_size)) * width * sum(int(s.num_heads) for s in layers) * 2
 
 
 def spill_base(num_slots: int, block_size: int) -> int:
@@ -42,7 +49,7 @@ class SpillBlocks:
     """Spill blocks of a stream's per-slot metrics buffer (``stream.metrics [L, slots, rows, H]``, whose entries
     from ``stream.spill_base`` on are this pool's), handed out as virtual block ids."""
 
-    def __init__(self, stream: Any, slots: int = SPILL_SLOTS) -> None:
+    def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.block_size = int(stream.block_size)
         self.first = int(stream.spill_base) // self.block_size  # the virtual id of the first spill block

@@ -248,7 +248,7 @@ class MetricsStream:
         self.spill_base = spill_base(S, self.block_size) if spill_slots else S + 1
         self.metrics = torch.full((L, self.spill_base + spill_slots, len(self.slot_rows), H), float("nan"),
                                   dtype=torch.float16, device=device)
-        self.spill = SpillBlocks(self, spill_slots) if spill_slots else None
+        self.spill = SpillBlocks(self) if spill_slots else None
         self._full_at = torch.tensor([METRICS.index(n) for n in self.slot_rows], dtype=torch.int64, device=device)
         self._window = torch.tensor([int(s.window or 0) for s in self.layers], dtype=torch.int64, device=device)
         self._chunk = torch.tensor([int(s.chunk or 0) for s in self.layers], dtype=torch.int64, device=device)

@@ -138,10 +138,11 @@ class Budget:
 
 def kv_budget(available: int, kv_per_token: float, specs: Sequence[LayerSpec], maps: Sequence[int],
               streamed: Sequence[LayerSpec], keys_from_cache: bool, rows: int, dtype: torch.dtype, vision: bool,
-              map_tap_rows: int) -> Budget:
+              map_tap_rows: int, block_size: int = 16) -> Budget:
     """vLLM's KV-cache budget (``available`` bytes, ``kv_per_token`` bytes a token over every layer) once the
     capture has its share, as the engine sizes it before the KV-cache groups are known: the stream's query
-    ring of ``rows`` and the map tap's fixed rows come off first, then tokens shrink by
+    ring of ``rows``, its spill blocks (of ``block_size`` tokens: attn_otel.spill) and the map tap's fixed rows
+    come off first, then tokens shrink by
     ``kv / (kv + capture bytes per token)``.  Windowed and chunked layers among ``streamed`` are weighed against
     keeping them on the Q/K tap (as map layers): on a small budget their share of the ring costs more; whichever
     leaves more KV cache is returned (``local_streamed`` says which; streamed on a tie).  ``bench/kv_capacity.py``
@@ -151,20 +152,20 @@ def kv_budget(available: int, kv_per_token: float, specs: Sequence[LayerSpec], m
         # Q/K tap by attn-otel's own table (vllm_adapter._window_groups)
         maps, streamed = tuple(s.index for s in specs), []
     options = [_budget(available, kv_per_token, specs, maps, list(streamed), keys_from_cache, rows, dtype, vision,
-                       map_tap_rows, True)]
+                       map_tap_rows, True, block_size)]
     local = {s.index for s in streamed if s.local}
     if local:
         options.append(_budget(available, kv_per_token, specs, tuple(sorted(set(maps) | local)),
                                [s for s in streamed if not s.local], keys_from_cache, rows, dtype, vision,
-                               map_tap_rows, False))
+                               map_tap_rows, False, block_size))
     return max(options, key=lambda b: b.kv_bytes)
 
 
 def _budget(available, kv_per_token, specs, maps, streamed, keys_from_cache, rows, dtype, vision, map_tap_rows,
-            local_streamed) -> Budget:
+            local_streamed, block_size) -> Budget:
     tapped = [s for s in specs if s not in streamed]
     tap = capture_bytes_per_token(tapped, streamed, keys_from_cache, dtype, vision)
-    fixed = MetricsStream.ring_bytes(streamed, rows, dtype) + spill_bytes(streamed) if streamed else 0
+    fixed = MetricsStream.ring_bytes(streamed, rows, dtype) + spill_bytes(streamed, block_size) if streamed else 0
     mapped = [s for s in streamed if s.index in maps]
     if mapped:  # the map tap: a fixed number of rows (its slot table counted per token)
         fixed += MapTap.nbytes_for(mapped, map_tap_rows, 0, dtype)

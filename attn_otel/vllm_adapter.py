@@ -749,8 +749,10 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
         dtype = _model_dtype(runner)
         maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs),
                                                  stream_local=True)
+        cache_config = getattr(getattr(runner, "vllm_config", None), "cache_config", None)
+        block_size = int(getattr(cache_config, "block_size", None) or 16)  # the spill blocks' (attn_otel.spill)
         b = kv_budget(available, kv_per_token, specs, maps, streamed, from_cache, rows, dtype, _takes_images(runner),
-                      _map_tap_rows(config))
+                      _map_tap_rows(config), block_size)
         runner._attn_otel_local_streamed = b.local_streamed  # the install plans the same way (_plan)
         logger.info("attn-otel: capture takes %d B per token beside %d B of KV cache (%d layers with a Q/K tap, "
                     "%d streamed with a %d-row query ring, %d of them map layers, ring and map tap %.2f GiB); KV "
@@ -818,7 +820,7 @@ def _install(runner, kv_cache_config) -> None:
     maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, par)
     stream = None
     if streamed:
-        from .spill import SPILL_SLOTS
+        from .spill import spill_slots
         from .stream import MetricsStream
 
         keys = {}
@@ -833,7 +835,8 @@ def _install(runner, kv_cache_config) -> None:
                 else:
                     keys[s.index] = view
         # spill blocks where a capture reads only streamed rows, so finished requests can wait for a batch
-        spill = SPILL_SLOTS if config.finish_batch_steps > 0 and len(streamed) == len(specs) and not shadowed else 0
+        spill = (spill_slots(block_sizes[streamed[0].group])
+                 if config.finish_batch_steps > 0 and len(streamed) == len(specs) and not shadowed else 0)
         stream = MetricsStream(streamed, num_slots, rows, dtype, runner.device, block_sizes[streamed[0].group],
                                config.sink_tokens, keys, vision=_takes_images(runner), spill_slots=spill)
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "

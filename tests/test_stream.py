@@ -228,6 +228,18 @@ def test_a_spilled_last_block_outlives_its_reuse(device):
     assert len(st.spill.copy([1, 2, 3])) == 2 and st.spill.free() == 0  # as many as are free
 
 
+def test_spill_blocks_hold_a_full_batch_in_at_most_4096_slots():
+    from attn_otel.deferred import DeferredFinish
+    from attn_otel.spill import SPILL_BLOCKS, spill_bytes, spill_slots
+
+    assert SPILL_BLOCKS > DeferredFinish().max_requests  # a batch taken at 64 still has spill blocks for the step
+    assert spill_slots(16) == SPILL_BLOCKS * 16 and spill_slots(128) == 32 * 128 and spill_slots(8192) == 8192
+    # the KV budget's bound covers what a stream allocates past its real slots, the alignment included
+    toy = Toy(rows=16, num_blocks=10, spill=spill_slots(BS))
+    extra = (toy.stream.metrics.shape[1] - (10 * BS + 1)) * toy.stream.metrics[0, 0].numel() * 2 * len(LAYERS)
+    assert 0 < extra <= spill_bytes(LAYERS, BS, width=toy.stream.metrics.shape[2])
+
+
 def test_a_prefix_hit_on_a_live_requests_pending_rows(device):
     """b hits a's first 3 blocks while a's rows there are still pending in the ring; b finishes first."""
     toy = Toy(rows=1000, device=device)

@@ -407,13 +407,13 @@ def test_the_kv_budget_streams_windowed_layers_with_a_k_tap_and_taps_all_window_
     assert tapped == [] and streamed == [full, win] and mapped == []
     rows = 4 * HQ * 2  # entropy, two sink masses, lookback: float16
     assert tap == 2 * rows + 8 + HKV * D * 2  # the windowed layer's keys are tapped, the full one's read
-    assert fixed == MetricsStream.ring_bytes([full, win], 64, dt) + spill_bytes([full, win])  # ring, spill blocks
+    assert fixed == MetricsStream.ring_bytes([full, win], 64, dt) + spill_bytes([full, win], 16)  # ring, spill blocks
     assert scaled == int((avail - fixed) * kv / (kv + tap)) and b.local_streamed
     # a ring that takes most of the budget: the windowed layer keeps the Q/K tap (a map layer) instead
     big = kv_budget(avail, kv, [full, win], (), [full, win], True, 1 << 20, dt, False, 128)
     assert not big.local_streamed and big.streamed == [full] and big.tapped == [win] and big.mapped == []
-    assert big.kv_bytes > int((avail - MetricsStream.ring_bytes([full, win], 1 << 20, dt) - spill_bytes([full, win]))
-                              * kv / (kv + tap))
+    big_fixed = MetricsStream.ring_bytes([full, win], 1 << 20, dt) + spill_bytes([full, win], 16)
+    assert big.kv_bytes > int((avail - big_fixed) * kv / (kv + tap))
     win0 = LayerSpec(index=0, name="l0", window=16, **base)
     b = kv_budget(avail, kv, [win0, win], (), [win0, win], True, 64, dt, False, 128)
     scaled, tap, fixed, tapped, streamed, mapped = b.kv_bytes, b.per_token, b.fixed, b.tapped, b.streamed, b.mapped
