@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The online workload (bench/overhead.py --online) A/B of this checkout ("new") against an earlier attn-otel
+# ("old") on one warm GPU machine of the device tool, in calls that each fit its 10-minute limit; the figures
+# and each server's capture stats come back under $OUT/ab/.  vLLM is staged by ../shared/tools/gpu-vllm
+# (carry .gpu/b0, then .gpu/b1, one call each), then:
+#
+#   here:    git archive --format=tar.gz -o .gpu/old.tgz COMMIT
+#   call 1:  bash bench/online_ab.sh setup        (carry .gpu/b2 and .gpu/old.tgz: stages vLLM, installs both,
+#                                                  serves capture off; a fresh machine compiles for ~220 s)
+#   call 2:  bash bench/online_ab.sh ab 1 new old  (the default of each, one server after the other)
+#   call 3:  bash bench/online_ab.sh ab 2 old new  (the other order)
+#
+# Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
+# 39.47, run 15's) sets the load (80% of it).
+set -uo pipefail
+cap=${CAPACITY:-39.47}
+case "${1:-}" in
+setup)
+  bash .gpu/b2/stage.sh > /tmp/stage2.log 2>&1 || { tail -20 /tmp/stage2.log; exit 1; }
+  source /tmp/gpu-env.sh
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation . > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
+  mkdir -p /tmp/oldsrc && tar -xzf .gpu/old.tgz -C /tmp/oldsrc
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old /tmp/oldsrc \
+    > /tmp/pip-old.log 2>&1 || { tail -20 /tmp/pip-old.log; exit 1; }
+  mkdir -p /tmp/ab/off "$OUT/ab"
+  nvidia-smi --query-gpu=name,uuid --format=csv,noheader
+  timeout 540 python3 bench/overhead.py --online off --capacity "$cap" --out /tmp/ab/off > /tmp/ab/off.log 2>&1
+  echo "off rc $?"; grep -E "^\[online|Error" /tmp/ab/off.log | tail -5
+  cp /tmp/ab/off/online-off.json "$OUT/ab/"
+  ;;
+ab)
+  source /tmp/gpu-env.sh
+  run=$2; shift 2
+  for d in "$@"; do
+    dir=/tmp/ab/$d-$run
+    mkdir -p "$dir" "$OUT/ab"; cp /tmp/ab/off/online-off.json "$dir/"
+    pp=""; [ "$d" = old ] && pp="/tmp/old:"
+    PYTHONPATH=$pp$PYTHONPATH timeout 285 python3 bench/overhead.py --online default --capacity "$cap" --out "$dir" \
+      > "$dir.log" 2>&1
+    echo "$d rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
+    cp "$dir/online-default.json" "$OUT/ab/online-default-$d-$run.json"
+    python3 - "$dir/online-default.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+c = r.get("capture", {})
+print(r.get("attn_otel"), {k: c.get(k) for k in (
+    "finish_batch_sizes", "finish_batch_reasons", "empty_steps", "stream_spilled_blocks", "side_stream_waits",
+    "side_stream_wait_causes", "upload_ring_waits", "stream_flushes", "stream_flush_times", "step_host_s")})
+PY
+  done
+  ;;
+*)
+  sed -n 2,14p "$0"; exit 2
+  ;;
+esac
