@@ -20,9 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-import numpy as np
-
-from .slots import upload_many
+from .slots import slots_of, upload_many
 
 SPILL_BLOCKS = 72  # a full batch (attn_otel.deferred's 64 requests) and a step's more
 SPILL_MAX_SLOTS = 4096  # fewer blocks where blocks are large (the CPU build's 128 tokens: 32)
@@ -69,9 +67,7 @@ class SpillBlocks:
             return []
         virtual = [self._free.pop() for _ in range(n)]
         bs = self.block_size
-        offs = np.arange(bs, dtype=np.int64)
-        src = (np.asarray(blocks[:n], dtype=np.int64)[:, None] * bs + offs).ravel()
-        dst = (np.asarray(virtual, dtype=np.int64)[:, None] * bs + offs).ravel()
+        src, dst = slots_of(blocks[:n], bs, 0, n * bs), slots_of(virtual, bs, 0, n * bs)  # every slot, in order
         side, m = self.stream.side, self.stream.metrics
         side.begin()
         with side.context():

@@ -1200,7 +1200,7 @@ def _track(runner, engine, so, t0: float) -> None:
             fresh.extend(cached.new_block_ids[i])
     empty = not int(getattr(so, "total_num_scheduled_tokens", 1))
     if empty and len(tracker):  # a step of no token while requests run (async scheduling makes a few)
-        engine.stats.empty_steps += 1
+        engine.stats.add("empty_steps")
     if deferred.due(flat_blocks(fresh), empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take()
