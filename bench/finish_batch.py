@@ -8,9 +8,9 @@ requests finish in most steps.  Reported per phase: attn-otel's host time before
 by part, ``step_times`` p50 / p99), the finish batches taken (their sizes, and the rule that took each one:
 attn_otel.deferred), the last blocks spilled (attn_otel.spill), the stream's flushes, captures and drops; and
 whether the greedy outputs are identical.  ``--baseline CHECKOUT`` adds a third phase: another attn-otel's
-batched finish (a git worktree of an earlier commit), its package first on PYTHONPATH.  On the CPU build the forwards are slow and the stream's flushes run
-on the torch path, so the figures are host seconds of attn-otel's own work, not the GPU's online latency
-(``bench/overhead.py --online`` measures that).
+batched finish (a git worktree of an earlier commit), its package first on PYTHONPATH.  On the CPU build the
+forwards are slow and the stream's flushes run on the torch path, so the figures are host seconds of
+attn-otel's own work, not the GPU's online latency (``bench/overhead.py --online`` measures that).
 
     python3 bench/finish_batch.py [--out docs/benchmarks/finish-batch-cpu.json] [--requests 160] [--baseline DIR]
 """
@@ -67,6 +67,10 @@ def phase(steps: int, n: int, out: Path) -> None:
     out.write_text(json.dumps(result))
 
 
+def _ratio(a: float, b: float) -> float:
+    return round(a / max(b, 1e-9), 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/benchmarks/finish-batch-cpu.json")
@@ -105,13 +109,11 @@ def main() -> None:
     first, batched = got["immediate (0)"], got["batched (16)"]
     report = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs", "vllm_version": vllm.__version__,
               "outputs_identical": all(o == outputs[0] for o in outputs), "phases": got,
-              "ratio_step_host_s": round(batched["step_host_s_total"] / max(first["step_host_s_total"], 1e-9), 3),
-              "ratio_captures_part": round(batched["step_host_s"]["captures"]
-                                           / max(first["step_host_s"]["captures"], 1e-9), 3)}
+              "ratio_step_host_s": _ratio(batched["step_host_s_total"], first["step_host_s_total"]),
+              "ratio_captures_part": _ratio(batched["step_host_s"]["captures"], first["step_host_s"]["captures"])}
     if a.baseline:
         base = got["batched (16), baseline"]
-        report["ratio_step_host_s_to_baseline"] = round(batched["step_host_s_total"]
-                                                        / max(base["step_host_s_total"], 1e-9), 3)
+        report["ratio_step_host_s_to_baseline"] = _ratio(batched["step_host_s_total"], base["step_host_s_total"])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "phases"}, indent=1))
