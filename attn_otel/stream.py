@@ -5,7 +5,9 @@ life: on all 32 layers of an 8B model that is 2.5 times the KV cache's own bytes
 cache shrinks to 0.29x (docs/benchmarks/overhead.md).  A streamed layer instead keeps:
 
 * a **query ring** ``[R, Hq, D]``: the model's own queries, written in the forward (in-graph, like the tap)
-  at ring rows the host assigned to this step's tokens, through a slot -> ring-row table on the device;
+  in token order from a row counter on the device (:func:`attn_otel.triton_metrics.ring_advance`), each
+  token's row recorded in a slot -> ring-row table there; the host only counts the step's tokens, so the
+  rows a flush reads are found by their slots (which the host knows from the block tables), not assigned;
 * a **per-slot metrics buffer** ``[slots, M, Hq]`` (float16, 256 B per token at 32 heads for a text model):
   every KV-cache token's per-row metrics once computed, those the finish cannot derive only
   (:func:`slot_rows`: entropy, the two sink masses, lookback, and the vision share and learned sink mass where
@@ -42,7 +44,7 @@ import torch
 
 from . import triton_metrics
 from .attention import KERNEL_METRICS, METRICS, attention_metrics, metric_width
-from .slots import slots_many, slots_of, upload, upload_many
+from .slots import slots_many, upload, upload_many
 from .spill import SpillBlocks, spill_base
 
 logger = logging.getLogger("attn_otel")
@@ -54,18 +56,13 @@ DEFAULT_ROWS = 8192
 class _Live:
     """A request whose rows have gone through the model while streaming."""
 
-    idx: int  # owner id in the host tables (each pending row's position is in MetricsStream._row_pos)
+    idx: int  # owner id (MetricsStream._by_idx; per block, the request that wrote it: MetricsStream._writer)
     tracked: Any  # the tracker's record: ``block_ids`` (per KV-cache group), ``prompt_token_ids``, ``vision_positions``
-    count: int = 0  # pending rows
+    count: int = 0  # pending rows: positions ``next - count .. next - 1``
     next: int = 0  # the position its next row should have
+    lo: int = 0  # the ring's row count (MetricsStream._head) when its first pending row was written
     shared: bool = False  # some of its positions were computed by another request (a prefix-cache hit)
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
-
-
-def _cat(ints: list[int], arrays: list[np.ndarray]) -> np.ndarray:
-    """Python ints, then arrays, as one int64 array."""
-    head = np.asarray(ints, dtype=np.int64)
-    return np.concatenate([head, *arrays]) if arrays else head
 
 
 def _prompt_and_vision(tracked: Sequence[Any], ends: np.ndarray, firsts: list[int], counts: list[int]):
@@ -252,7 +249,11 @@ class MetricsStream:
         self._full_at = torch.tensor([METRICS.index(n) for n in self.slot_rows], dtype=torch.int64, device=device)
         self._window = torch.tensor([int(s.window or 0) for s in self.layers], dtype=torch.int64, device=device)
         self._chunk = torch.tensor([int(s.chunk or 0) for s in self.layers], dtype=torch.int64, device=device)
-        self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)  # slot S: padding
+        # per slot the ring row its token's query went to (written in the forward), and the row counter the
+        # forward takes its rows from: base of this forward, head of the next (triton_metrics.ring_advance)
+        self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)
+        self.head = torch.zeros(1, dtype=torch.int64, device=device)
+        self.base = torch.zeros(1, dtype=torch.int64, device=device)
         key_caches = key_caches or {}
         # Keys: a [blocks, block_size, Hkv, D] view of vLLM's cache per layer, else a K-only tap.
         self.keys: dict[int, torch.Tensor] = {}
@@ -267,16 +268,14 @@ class MetricsStream:
                 self.keys[s.index] = tap[:, None]
         self.kernels = FlushKernels(self.layers, self.q, self.keys, self.metrics, self.sink_tokens, self.device,
                                     self.slot_rows)
-        # host side: a stack of free ring rows; per ring row its owner (-1: free), position and slot; per
-        # slot the owner of its pending row (-1: none)
-        self._free = np.arange(R - 1, -1, -1, dtype=np.int64)
-        self._nfree = R
-        self._inflight: list[tuple[int, np.ndarray]] = []  # rows a flush still reads: (its work number, rows)
-        self._ninflight = 0
-        self._row_owner = np.full(R, -1, dtype=np.int64)
-        self._row_pos = np.zeros(R, dtype=np.int64)
-        self._row_slot = np.zeros(R, dtype=np.int64)
-        self._owner = np.full(S, -1, dtype=np.int64)
+        # host side: the rows the forwards took so far (the device counter's value, not wrapped, give or take
+        # a constant: only differences are used); the oldest row that may still be pending (a bound); the
+        # flushes whose rows may still be read: (work number, their oldest row); per block the owner of the
+        # request that wrote it (for a shared prefix's pending rows, see finish)
+        self._head = 0
+        self._oldest: int | None = None
+        self._inflight: list[tuple[int, int]] = []
+        self._writer = np.full(-(-S // self.block_size), -1, dtype=np.int64)
         self._live: dict[str, _Live] = {}
         self._by_idx: dict[int, str] = {}
         self._next = 0
@@ -307,22 +306,20 @@ class MetricsStream:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def pending(self) -> int:
-        """Rows given to tokens and not flushed yet."""
-        return self.rows - self._nfree - self._ninflight
+        """Rows written and not flushed yet."""
+        return sum(lv.count for lv in self._live.values())
 
-    def _reclaim(self, wait: bool = False) -> None:
-        """Free the rows of flushes that are done (with ``wait``: of every flush, the engine's stream waiting
-        for them: a forward after this writes them only once the flush has read them)."""
-        if not self._inflight:
-            return
-        if wait:
-            self.side.wait(self._inflight[-1][0], "stream_ring")
-        while self._inflight and self.side.safe(self._inflight[0][0]):
-            rows = self._inflight.pop(0)[1]
-            n = rows.shape[0]
-            self._free[self._nfree:self._nfree + n] = rows
-            self._nfree += n
-            self._ninflight -= n
+    def _reclaim(self, upto: int) -> None:
+        """Before a forward writes the ring's rows up to ``upto`` (not wrapped), so over the rows before
+        ``upto - rows``: the engine's stream waits for the flushes that may still read one of them; the done
+        ones are dropped."""
+        need = 0
+        for seq, lo in self._inflight:
+            if lo < upto - self.rows:
+                need = max(need, seq)
+        if need:
+            self.side.wait(need, "stream_ring")
+        self._inflight = [(seq, lo) for seq, lo in self._inflight if not self.side.safe(seq)]
 
     def warm_up(self) -> int:
         """Compile the flush kernel on the padding ring row (FlushKernels.warm_up); returns the launches."""
@@ -339,32 +336,39 @@ class MetricsStream:
         """The forward's query (and key, for a K-only tap) of ``layer``; with ``kv`` (see
         :func:`attn_otel.triton_metrics.scatter_rows`) also vLLM's KV-cache write, in the same launch.  True
         where that launch wrote the cache (else the caller must)."""
-        # Padded tokens (slot -1) go to the table's last entry, the ring's padding row.
+        # Tokens go to the ring in order from the row counter, moved on once a forward (by the first streamed
+        # layer); padded tokens (slot -1) go to the ring's padding row.
         tap = self.k_tap.get(layer)
-        done = triton_metrics.scatter_rows(self.q[self.pos[layer]], query, slot_mapping, self.num_slots,
-                                           table=self.ring_of_slot, kv=kv if tap is None else None)
+        li = self.pos[layer]
+        if li == 0:
+            triton_metrics.ring_advance(slot_mapping, self.head, self.base, self.rows)
+        done = triton_metrics.scatter_rows(self.q[li], query, slot_mapping, self.rows, table=self.ring_of_slot,
+                                           kv=kv if tap is None else None, base=self.base)
         if tap is not None:
             triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots)
             return False
         return done and kv is not None
 
     # ------------------------------------------------------------------ engine loop, before a forward
-    def schedule(self, items: Iterable[tuple[str, Any, int, int]]) -> None:
-        """This step's tokens: ``(request id, tracked record, first position, count)`` per request.  Gives
-        them ring rows (flushing everything pending first when they do not fit) and uploads their slots' ring
-        rows, so the forward writes each query to its row (one short Python step per request)."""
+    def schedule(self, items: Iterable[tuple[str, Any, int, int]], total: int | None = None) -> None:
+        """This step's tokens: ``(request id, tracked record, first position, count)`` per request, and
+        ``total``, every token of the forward that has a slot (default: the items' tokens; the forward takes
+        a ring row for each, captured or not).  Counts them as pending, flushing first what the forward's
+        rows would otherwise overwrite (one short Python step per request; nothing goes to the device)."""
         t0 = time.perf_counter()
         try:
-            self._schedule([it for it in items if it[3] > 0])
+            self._schedule([it for it in items if it[3] > 0], total)
         finally:
             self.host_s += time.perf_counter() - t0
 
-    def _schedule(self, items: list) -> None:
-        if not items:
+    def _schedule(self, items: list, total: int | None) -> None:
+        if total is None:
+            total = sum(it[3] for it in items)
+        if total <= 0:
             return
-        total = 0
         stale = []
         lives = []
+        head, bs, writer = self._head, self.block_size, self._writer
         for req_id, tracked, start, n in items:
             live = self._live.get(req_id)
             if live is None:
@@ -376,48 +380,31 @@ class MetricsStream:
                 live.shared = True
                 if live.count:  # speculative tokens rejected, or a resumed request: compute what is pending
                     stale.append(live)
-            lives.append(live)
-            total += n
+            lives.append((live, start, n))
+            if n > 1 or start % bs == 0:  # it writes into blocks it did not write before
+                blocks = tracked.block_ids[self.group]
+                for b in range(start // bs, (start + n - 1) // bs + 1):
+                    writer[blocks[b]] = live.idx
         if stale:
             self.flush(stale)
-        self._reclaim()
-        # Flush at half the ring, so the steps after it have rows while it runs beside their forwards; or when
-        # this step does not fit, waiting for it then.
-        if total > self._nfree or self.pending() >= self.rows // 2:
-            self.flush([lv for lv in self._live.values() if lv.count])
-            self._reclaim()
-        if total > self._nfree:
-            self._reclaim(wait=True)
-        if total > self._nfree:  # a step larger than the ring: cannot happen with rows >= max_num_batched_tokens
-            for live in lives:
-                live.lost = True
-            return
-        g, bs = self.group, self.block_size
-        slot_l: list[int] = []  # decode tokens (one per request) as Python ints; longer runs as arrays
-        pos_l: list[int] = []
-        own_l: list[int] = []
-        slot_a, pos_a, own_a = [], [], []
-        for live, (_, tracked, start, n) in zip(lives, items):
-            blocks = tracked.block_ids[g]
-            if n == 1:
-                slot_l.append(blocks[start // bs] * bs + start % bs)
-                pos_l.append(start)
-                own_l.append(live.idx)
-            else:
-                slot_a.append(slots_of(blocks, bs, start, n))
-                pos_a.append(np.arange(start, start + n, dtype=np.int64))
-                own_a.append(np.full(n, live.idx, dtype=np.int64))
+        # Flush everything pending at half the ring, so the steps after it have rows while it runs beside their
+        # forwards; the rows before ``head + total - rows`` are written again by this forward.
+        if self._oldest is not None and head + total - self._oldest > self.rows // 2:
+            self._oldest = min((lv.lo for lv in self._live.values() if lv.count), default=None)
+            if self._oldest is not None and head + total - self._oldest > self.rows // 2:
+                self.flush([lv for lv in self._live.values() if lv.count])
+                self._oldest = None
+        self._reclaim(head + total)
+        lost = total > self.rows  # a step larger than the ring: cannot happen with rows >= max_num_batched_tokens
+        for live, start, n in lives:
+            if live.count == 0:
+                live.lo = head
             live.count += n
             live.next = start + n
-        rows = self._free[self._nfree - total:self._nfree].copy()
-        self._nfree -= total
-        slots, owners = _cat(slot_l, slot_a), _cat(own_l, own_a)
-        self._row_owner[rows] = owners
-        self._row_pos[rows] = _cat(pos_l, pos_a)
-        self._row_slot[rows] = slots
-        self._owner[slots] = owners
-        pair = upload(np.stack([slots, rows]), self.device)
-        self.ring_of_slot.index_copy_(0, pair[0], pair[1])
+            live.lost = live.lost or lost
+        if self._oldest is None:
+            self._oldest = head
+        self._head = head + total
 
     def finish(self, req_ids: Iterable[str]) -> None:
         """Before finished requests' blocks can be reused: compute their pending rows and those of any live
@@ -431,12 +418,11 @@ class MetricsStream:
             t = live.tracked
             n = int(getattr(t, "written", 0))
             if live.shared and n > 0 and t.block_ids and len(t.block_ids) > self.group:
-                blocks = t.block_ids[self.group]
-                n = min(n, len(blocks) * self.block_size)
-                owners = np.unique(self._owner[slots_of(blocks, self.block_size, 0, n)])
+                blocks = np.asarray(t.block_ids[self.group][:-(-n // self.block_size)], dtype=np.int64)
+                owners = np.unique(self._writer[blocks])
                 for o in owners[owners >= 0].tolist():
                     other = self._by_idx.get(int(o))
-                    if other is not None:
+                    if other is not None and self._live[other].count:
                         todo[int(o)] = self._live[other]
         self.flush(list(todo.values()))
 
@@ -466,44 +452,31 @@ class MetricsStream:
         lives = sorted((lv for lv in lives if lv.count), key=lambda lv: lv.idx)
         if not lives:
             return
-        idx = np.asarray([lv.idx for lv in lives], dtype=np.int64)
-        rows = np.flatnonzero(np.isin(self._row_owner, idx))
-        rows = rows[np.lexsort((self._row_pos[rows], self._row_owner[rows]))]  # by request, then position
-        own = self._row_owner[rows]
-        starts = np.searchsorted(own, idx, "left")
-        ends = np.searchsorted(own, idx, "right")
-        counts = (ends - starts).tolist()
-        firsts = self._row_pos[rows[starts]].tolist()
-        row_slots = self._row_slot[rows]
-        bs, g = self.block_size, self.group
+        counts = [lv.count for lv in lives]
         cnt = np.asarray(counts, dtype=np.int64)
-        ends_np = np.asarray(firsts, dtype=np.int64) + cnt
-        # every key position of each request, in one vectorised pass; its pending rows' positions take the
-        # rows' own slots (the same unless blocks moved)
-        ks_flat, cu_k = slots_many([lv.tracked.block_ids[g] for lv in lives], bs, ends_np)
-        at = np.repeat(cu_k[:-1] + ends_np - cnt, cnt) + (np.arange(rows.shape[0]) - np.repeat(starts, cnt))
-        ks_flat[at] = row_slots
+        ends_np = np.asarray([lv.next for lv in lives], dtype=np.int64)
+        firsts = (ends_np - cnt).tolist()
+        # every key position of each request, in one vectorised pass; its pending rows are its last ``count``
+        # positions, whose slots find their ring rows (the table the forwards wrote)
+        ks_flat, cu_k = slots_many([lv.tracked.block_ids[self.group] for lv in lives], self.block_size, ends_np)
+        n = int(cnt.sum())
+        starts = np.zeros(len(lives), dtype=np.int64)
+        np.cumsum(cnt[:-1], out=starts[1:])
+        at = np.repeat(cu_k[1:] - cnt - starts, cnt) + np.arange(n)
+        row_slots = ks_flat[at]
         prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends_np, firsts, counts)
         seq = 0
         if self.kernels.fused:
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
-                self.kernels.run_fused(firsts, counts, rows, ks_flat, cu_k, prompt, vm_parts, vc_parts)
+                self.kernels.run_fused(firsts, counts, row_slots, ks_flat, cu_k, prompt, vm_parts, vc_parts,
+                                       table=self.ring_of_slot)
                 seq = self.side.mark()
         else:
+            rows = self.ring_of_slot[torch.from_numpy(row_slots).to(self.device)].cpu().numpy()
             self.kernels.run_torch(firsts, counts, rows, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)
-        # Their slots point at the padding row again (on the engine's stream, ordered with the slot table's
-        # other updates); the rows are free once the flush has read them (see _reclaim).
-        self.ring_of_slot.index_fill_(0, upload(row_slots, self.device), self.rows)
-        self._owner[row_slots] = -1
-        self._row_owner[rows] = -1
-        n = rows.shape[0]
-        if seq:
-            self._inflight.append((seq, rows))
-            self._ninflight += n
-        else:
-            self._free[self._nfree:self._nfree + n] = rows
-            self._nfree += n
+        if seq:  # the forwards may write these rows again once the flush has read them (see _reclaim)
+            self._inflight.append((seq, min(lv.lo for lv in lives)))
         for lv in lives:
             lv.count = 0
         self.flushes += 1
@@ -595,8 +568,10 @@ class FlushKernels:
         self.device_s = 0.0  # device time of the flush kernels (and their uploads), as far as completed
         self._timing: list = []
 
-    def run_fused(self, firsts, counts, rows_np, key_slots, cu_keys, prompt, vm_parts, vc_parts) -> None:
-        """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``)."""
+    def run_fused(self, firsts, counts, rows_np, key_slots, cu_keys, prompt, vm_parts, vc_parts,
+                  table: torch.Tensor | None = None) -> None:
+        """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``);
+        ``rows_np``: the pending rows' ring rows, or with ``table`` (slot -> ring row, on the device) their slots."""
         cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)
         cu_rows[1:] = np.cumsum(counts)
         cu_keys = np.asarray(cu_keys, dtype=np.int32)
@@ -611,6 +586,8 @@ class FlushKernels:
             host += [np.concatenate(vm_parts).astype(np.float32), np.concatenate(vc_parts).astype(np.float32)]
         rows_d, cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, *vis = upload_many(host, self.device)  # one copy
         vm_d, vc_d = vis if vis and self.vision else (None, None)  # (a text model keeps no vision rows)
+        if table is not None:
+            rows_d = table.index_select(0, rows_d)
         if self._layered is not None:  # every layer in one launch
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(

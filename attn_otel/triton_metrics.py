@@ -417,19 +417,25 @@ if triton is not None:
     @triton.jit
     def _scatter_rows(SRC, DST, IDX, TABLE, SRC2, DST2, src_stride, dst_stride, src2_stride, dst2_stride, pad,
                       K, V, KC, VC, k_stride, v_stride, kc_sb, kc_so, kc_sh, vc_sb, vc_so, vc_sh, block_size,
+                      BASE, ring,
                       C: tl.constexpr, C2: tl.constexpr, HAS_TABLE: tl.constexpr, PAIRS: tl.constexpr,
                       BLOCK: tl.constexpr, BLOCK2: tl.constexpr, KV: tl.constexpr, HKV: tl.constexpr,
-                      D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr):
+                      D: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, RING: tl.constexpr):
         # Token t's row of C values goes to row IDX[t] of DST (IDX[t] < 0: row ``pad``), or, with a table,
-        # to row TABLE[IDX[t]] (IDX[t] < 0: TABLE[pad]); with PAIRS == 2 its row of C2 values of SRC2 too,
-        # to the same row of DST2 (the tap's query and key in one launch).  With KV, its key and value
-        # ([HKV, D] rows) also go to vLLM's paged cache at slot IDX[t] (block IDX[t] // block_size, offset
-        # IDX[t] % block_size; nothing for IDX[t] < 0), what vLLM's own KV-cache write would have done.
+        # to row TABLE[IDX[t]] (IDX[t] < 0: TABLE[pad]), or, with RING, to row (BASE[0] + t) % ring
+        # (IDX[t] < 0: row ``pad``), which it writes to TABLE[IDX[t]]; with PAIRS == 2 its row of C2 values
+        # of SRC2 too, to the same row of DST2 (the tap's query and key in one launch).  With KV, its key and
+        # value ([HKV, D] rows) also go to vLLM's paged cache at slot IDX[t] (block IDX[t] // block_size,
+        # offset IDX[t] % block_size; nothing for IDX[t] < 0), what vLLM's own KV-cache write would have done.
         t = tl.program_id(0)
         slot = tl.load(IDX + t).to(tl.int64)
-        row = tl.where(slot < 0, pad, slot)
-        if HAS_TABLE:
-            row = tl.load(TABLE + row).to(tl.int64)
+        if RING:
+            row = tl.where(slot < 0, pad, (tl.load(BASE).to(tl.int64) + t) % ring)
+            tl.store(TABLE + tl.maximum(slot, 0), row, mask=slot >= 0)
+        else:
+            row = tl.where(slot < 0, pad, slot)
+            if HAS_TABLE:
+                row = tl.load(TABLE + row).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < C
         v = tl.load(SRC + t.to(tl.int64) * src_stride + cols, mask=ok)
@@ -451,10 +457,35 @@ if triton is not None:
             vr = tl.load(V + t.to(tl.int64) * v_stride + h * D + d, mask=m)
             tl.store(VC + blk * vc_sb + off * vc_so + h * vc_sh + d, vr.to(VC.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _ring_advance(IDX, n, HEAD, BASE, ring, BLOCK: tl.constexpr):
+        # One program: BASE[0] = HEAD[0], then HEAD[0] advanced by the tokens of IDX[:n] with a slot (>= 0).
+        cnt = tl.zeros((BLOCK,), dtype=tl.int64)
+        for i in range(0, n, BLOCK):
+            offs = i + tl.arange(0, BLOCK)
+            s = tl.load(IDX + offs, mask=offs < n, other=-1)
+            cnt += (s >= 0).to(tl.int64)
+        h = tl.load(HEAD).to(tl.int64)
+        tl.store(BASE, h)
+        tl.store(HEAD, (h + tl.sum(cnt, 0)) % ring)
+
+
+def ring_advance(index: torch.Tensor, head: torch.Tensor, base: torch.Tensor, ring: int) -> None:
+    """Graph-safe, once per forward before its :func:`scatter_rows` with ``base``: ``base = head``, then
+    ``head`` (both ``[1]`` int64 on ``index``'s device) moves on by the tokens of ``index`` that have a slot
+    (``>= 0``; padded tokens have none), modulo ``ring``."""
+    n = index.shape[0]
+    if available(index.device):
+        _ring_advance[(1,)](index, n, head, base, int(ring), BLOCK=1024, num_warps=4)
+        return
+    base.copy_(head)
+    head.copy_((head + (index >= 0).sum()) % int(ring))
+
 
 def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad: int,
                  table: torch.Tensor | None = None, dst2: torch.Tensor | None = None,
-                 src2: torch.Tensor | None = None, kv: tuple | None = None) -> bool:
+                 src2: torch.Tensor | None = None, kv: tuple | None = None,
+                 base: torch.Tensor | None = None) -> bool:
     """``dst[index[t]] = src[t]`` for the ``len(index)`` first rows of ``src`` (``index[t] < 0``: row
     ``pad``), or ``dst[table[index[t]]]`` with a table (``index[t] < 0``: ``table[pad]``); with ``dst2`` and
     ``src2``, the same rows of ``dst2`` from ``src2`` too.  Graph-safe (the forward's Q/K writes).  ``dst``'s
@@ -465,7 +496,11 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
     ``kv = (key, value, key_cache, value_cache)`` (caches ``[blocks, block_size, Hkv, D]`` views of vLLM's
     paged cache, ``D`` contiguous) adds vLLM's KV-cache write to the same launch: token t's key and value
     to slot ``index[t]`` (none for ``index[t] < 0``).  Only the Triton launch does this: where it returns
-    False the caller still has to write the cache."""
+    False the caller still has to write the cache.
+
+    ``base`` (``[1]`` int64, from :func:`ring_advance`) makes ``dst`` a ring written in token order: token
+    ``t`` goes to row ``(base + t) % pad`` (``index[t] < 0``: row ``pad``), and ``table[index[t]]`` is set
+    to that row, so the host need not give tokens rows before the forward."""
     n = index.shape[0]
     pairs = [(dst, src)] + ([(dst2, src2)] if dst2 is not None else [])
     if (available(dst.device) and n > 0 and all(
@@ -483,14 +518,21 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
             Hkv, D = kc.shape[2], kc.shape[3]
             kvs = (k.stride(0), v.stride(0), *kc.stride()[:3], *vc.stride()[:3], kc.shape[1])
         _scatter_rows[(n,)](src, dst, index, tab, s2, d2, src.stride(0), dst.stride(0), s2.stride(0),
-                            d2.stride(0), int(pad), k, v, kc, vc, *kvs, C=C, C2=C2, HAS_TABLE=table is not None,
+                            d2.stride(0), int(pad), k, v, kc, vc, *kvs, base if base is not None else index,
+                            int(pad), C=C, C2=C2, HAS_TABLE=table is not None,
                             PAIRS=len(pairs), BLOCK=triton.next_power_of_2(C), BLOCK2=triton.next_power_of_2(C2),
                             KV=kv is not None, HKV=Hkv, D=D, BH=triton.next_power_of_2(Hkv),
-                            BD=triton.next_power_of_2(D), num_warps=4)
+                            BD=triton.next_power_of_2(D), RING=base is not None, num_warps=4)
         return True
-    rows = torch.where(index < 0, pad, index.to(torch.long))
-    if table is not None:
-        rows = table[rows]
+    if base is not None:
+        idx = index.to(torch.long)
+        real = idx >= 0
+        rows = torch.where(real, (base + torch.arange(n, device=index.device)) % int(pad), int(pad))
+        table.index_copy_(0, idx[real], rows[real])
+    else:
+        rows = torch.where(index < 0, pad, index.to(torch.long))
+        if table is not None:
+            rows = table[rows]
     for d, s in pairs:
         d.index_copy_(0, rows, s[:n].reshape((n,) + tuple(d.shape[1:])).to(d.dtype))
     return False

@@ -1212,8 +1212,8 @@ def _track(runner, engine, so, t0: float) -> None:
     parts["captures"] += t2 - t1
     if shadow is not None:  # first: the others read the requests' blocks there
         shadow.schedule(items)
-    if stream is not None:
-        stream.schedule(items)
+    if stream is not None:  # every token of the forward takes a ring row, captured or not
+        stream.schedule(items, int(getattr(so, "total_num_scheduled_tokens", 0) or 0) or None)
     if maptap is not None:
         maptap.schedule(items)
     side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads

@@ -84,9 +84,10 @@ class Toy:
         self.q[rid], self.k[rid] = q, k
         return self.t[rid]
 
-    def step(self, chunks, finished=(), preempted=()):
+    def step(self, chunks, finished=(), preempted=(), uncaptured=()):
         """One engine step as the adapter runs it: preempted and finished first, then this step's tokens
-        (``(rid, start, n)``) scheduled and "forwarded"."""
+        (``(rid, start, n)``) scheduled and "forwarded"; ``uncaptured`` chunks are forwarded too (first), but
+        only counted in the step's total, as a request attn-otel does not follow."""
         side = self.stream.side
         if self.slow and side.stream is not None:
             with side.context():
@@ -109,8 +110,9 @@ class Toy:
         for rid, start, n in chunks:
             self.t[rid].written = start + n
             items.append((rid, self.t[rid], start, n))
-        self.stream.schedule(items)
+        self.stream.schedule(items, sum(n for _, _, n in [*chunks, *uncaptured]))
         side.guard_items(items, [BS])
+        chunks = [*uncaptured, *chunks]
         # the forward: one flattened batch, padded with slot -1 as CUDA graphs pad
         slot_list, qs, ks = [], {s.index: [] for s in LAYERS}, {s.index: [] for s in LAYERS}
         for rid, start, n in chunks:
@@ -182,9 +184,8 @@ def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache
     assert toy.stream.pending() == 0
     if rows == 16:
         assert toy.stream.flushes >= 4  # 68 rows through a 16-row ring: it filled again and again
-    # the ring's rows all came back, and no slot still points at one
-    toy.stream._reclaim(wait=True)
-    assert toy.stream._nfree == rows and bool((toy.stream.ring_of_slot == rows).all())
+    # every token took one ring row, in order: the device counter and the host's count agree
+    assert toy.stream._head == 3 * 9 + 13 + 7 + 21 and int(toy.stream.head) == toy.stream._head % rows
 
 
 def test_a_spilled_last_block_outlives_its_reuse(device):
@@ -238,6 +239,20 @@ def test_spill_blocks_hold_a_full_batch_in_at_most_4096_slots():
     toy = Toy(rows=16, num_blocks=10, spill=spill_slots(BS))
     extra = (toy.stream.metrics.shape[1] - (10 * BS + 1)) * toy.stream.metrics[0, 0].numel() * 2 * len(LAYERS)
     assert 0 < extra <= spill_bytes(LAYERS, BS, width=toy.stream.metrics.shape[2])
+
+
+def test_tokens_of_requests_not_followed_take_ring_rows_too(device):
+    """The forward gives every token with a slot the next ring row, whether attn-otel follows its request or
+    not: with the step's whole token count, the host flushes before those rows wrap over pending ones."""
+    toy = Toy(rows=16, device=device)
+    toy.new("a", 12, prompt_len=8)
+    toy.new("u", 30, prompt_len=30)  # never scheduled through the stream
+    toy.step([("a", 0, 8)], uncaptured=[("u", 0, 5)])
+    for p in range(8, 12):
+        toy.step([("a", p, 1)], uncaptured=[("u", 5 + 5 * (p - 8), 5)])
+    got = toy.step([], finished=["a"])
+    toy.check("a", got["a"])
+    assert toy.stream._head == 12 + 25 and int(toy.stream.head) == 37 % 16
 
 
 def test_a_prefix_hit_on_a_live_requests_pending_rows(device):
