@@ -25,7 +25,7 @@ class _PinnedRing:
     is done: each upload records an event, checked before the region's bytes are reused (in practice long
     done: the ring holds hundreds of steps' uploads).  Thread-safe (the compute thread uploads too)."""
 
-    def __init__(self, device: torch.device, nbytes: int = 8 << 20) -> None:
+    def __init__(self, device: torch.device, nbytes: int = 32 << 20) -> None:
         self.device = device
         self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.host = self.buf.numpy()
@@ -83,6 +83,8 @@ def _torch_dtype(dt: np.dtype) -> torch.dtype:
 
 
 _RINGS: dict[torch.device, _PinnedRing] = {}
+RING_MAX = 4 << 20  # the largest upload through the pinned ring (an eighth of it): a flush's key slots for 100
+# requests of 4k tokens (3.2 MB of int64) are one; only larger ones pin memory of their own
 _RINGS_LOCK = threading.Lock()
 
 
@@ -105,7 +107,7 @@ def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
     a = np.ascontiguousarray(a)
     if device.type != "cuda":
         return torch.from_numpy(a).to(device)
-    if a.size == 0 or a.nbytes > (1 << 20) or a.dtype.hasobject:  # rare large ones: torch's own pinned copy
+    if a.size == 0 or a.nbytes > RING_MAX or a.dtype.hasobject:  # rare large ones: torch's own pinned copy
         return torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
     return _ring(device).upload(a)
 
@@ -113,7 +115,7 @@ def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
 def upload_many(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """:func:`upload` of several arrays in one host-to-device copy (one launch instead of one per array)."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
-    if device.type != "cuda" or sum(a.nbytes for a in arrays) > (1 << 20) or any(a.dtype.hasobject for a in arrays):
+    if device.type != "cuda" or sum(a.nbytes for a in arrays) > RING_MAX or any(a.dtype.hasobject for a in arrays):
         return [upload(a, device) for a in arrays]
     return _ring(device).upload_many(arrays)
 
