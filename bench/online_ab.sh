@@ -6,7 +6,8 @@
 #
 #   here:    git archive --format=tar.gz -o .gpu/old.tgz COMMIT
 #   call 1:  bash bench/online_ab.sh setup        (carry .gpu/b2 and .gpu/old.tgz: stages vLLM, installs both,
-#                                                  serves capture off; a fresh machine compiles for ~220 s)
+#                                                  serves capture off; a fresh machine compiles for ~220 s;
+#                                                  or "install" and "off" in two calls, other work between)
 #   call 2:  bash bench/online_ab.sh ab 1 new old  (the default of each, one server after the other)
 #   call 3:  bash bench/online_ab.sh ab 2 old new  (the other order)
 #
@@ -15,15 +16,21 @@
 set -uo pipefail
 cap=${CAPACITY:-39.47}
 case "${1:-}" in
-setup)
+setup)  # install, then off
+  bash "$0" install && bash "$0" off
+  ;;
+install)  # stage vLLM's last batch, install this checkout and the old one (/tmp/old)
   bash .gpu/b2/stage.sh > /tmp/stage2.log 2>&1 || { tail -20 /tmp/stage2.log; exit 1; }
   source /tmp/gpu-env.sh
   python3 -m pip install -q --no-index --no-deps --no-build-isolation . > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
   mkdir -p /tmp/oldsrc && tar -xzf .gpu/old.tgz -C /tmp/oldsrc
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/old /tmp/oldsrc \
     > /tmp/pip-old.log 2>&1 || { tail -20 /tmp/pip-old.log; exit 1; }
-  mkdir -p /tmp/ab/off "$OUT/ab"
   nvidia-smi --query-gpu=name,uuid --format=csv,noheader
+  ;;
+off)  # capture off, the ratios' reference (a fresh machine compiles for ~220 s first)
+  source /tmp/gpu-env.sh
+  mkdir -p /tmp/ab/off "$OUT/ab"
   timeout 540 python3 bench/overhead.py --online off --capacity "$cap" --out /tmp/ab/off > /tmp/ab/off.log 2>&1
   echo "off rc $?"; grep -E "^\[online|Error" /tmp/ab/off.log | tail -5
   cp /tmp/ab/off/online-off.json "$OUT/ab/"
