@@ -10,10 +10,7 @@ same, each batch taken for ``reuse``).
 Where a capture reads nothing but the streamed layers' per-slot metric rows (no Q/K-tapped layer, not planned
 for maps, no block table of attn-otel's own), the work that must come before that reuse is small: the request's
 pending rows are flushed (they read its keys) and its last block's metric rows are copied to a spill block, a
-block of the stream's metrics buffer past its real slots (:class:`SpillBlocks`), both on the engine's stream
-before the next forward: that forward then waits for nothing queued on the side stream (run 24 on an H100: with
-this work on the side stream, 534-580 forwards a server life waited behind whatever capture work was queued
-there first).  The request's capture then reads
+block of the stream's metrics buffer past its real slots (:class:`SpillBlocks`).  The request's capture then reads
 the spill block in place of the real one, through a block id past vLLM's, which vLLM never hands out; its other
 blocks are full, carry a hash and go to the tail of vLLM's free queue, and stay marked for the reuse rule until
 the batch is taken.
@@ -21,7 +18,6 @@ the batch is taken.
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Iterable, Sequence
 
 from .slots import slots_of, upload_many
@@ -56,37 +52,31 @@ class SpillBlocks:
         self.block_size = int(stream.block_size)
         self.first = int(stream.spill_base) // self.block_size  # the virtual id of the first spill block
         n = (int(stream.metrics.shape[1]) - int(stream.spill_base)) // self.block_size
-        # first in, first out: a block released goes back last, so its gathers are long done when it is taken
-        self._free = collections.deque(range(self.first, self.first + n))
-        self._read_by: dict[int, int] = {}  # block -> the side-stream work that gathers from it
+        self._free = list(range(self.first + n - 1, self.first - 1, -1))  # a stack: the lowest id first
         self.spilled = 0  # blocks copied out so far (stats)
 
     def free(self) -> int:
         return len(self._free)
 
-    def copy(self, blocks: Sequence[int], after: int = 0) -> list[int]:
-        """Copy these real blocks' metric rows (every streamed layer) to spill blocks, on the engine's stream
-        before the forward that may write them (vLLM hands such a block out at once), once side-stream work
-        ``after`` (the flushes that computed rows there: MetricsStream.finish) and the gathers of the spill
-        blocks' last captures are done, the engine's stream waiting for those alone; returns the virtual ids,
+    def copy(self, blocks: Sequence[int]) -> list[int]:
+        """Copy these real blocks' metric rows (every streamed layer) to spill blocks, on the capture stream
+        after the work enqueued there so far (the flush that computed their last rows); returns the virtual ids,
         as many as there are free spill blocks (the first ones)."""
         n = min(len(blocks), len(self._free))
         if n == 0:
             return []
-        virtual = [self._free.popleft() for _ in range(n)]
-        need = max([int(after)] + [self._read_by.pop(v, 0) for v in virtual])
+        virtual = [self._free.pop() for _ in range(n)]
         bs = self.block_size
         src, dst = slots_of(blocks[:n], bs, 0, n * bs), slots_of(virtual, bs, 0, n * bs)  # every slot, in order
-        m = self.stream.metrics
-        self.stream.side.wait(need, "spill")
-        s, d = upload_many([src, dst], m.device)
-        m.index_copy_(1, d, m.index_select(1, s))
+        side, m = self.stream.side, self.stream.metrics
+        side.begin()
+        with side.context():
+            s, d = upload_many([src, dst], m.device)
+            m.index_copy_(1, d, m.index_select(1, s))
         self.spilled += n
         return virtual
 
-    def release(self, virtual: Iterable[int], seq: int = 0) -> None:
-        """Spill blocks whose captures are enqueued, their gathers side-stream work ``seq`` (a copy to one of
-        them waits for it)."""
-        for v in virtual:
-            self._read_by[int(v)] = int(seq)
-            self._free.append(int(v))
+    def release(self, virtual: Iterable[int]) -> None:
+        """Spill blocks whose captures are enqueued (a later copy to them is ordered after their gathers on the
+        capture stream)."""
+        self._free.extend(int(v) for v in virtual)

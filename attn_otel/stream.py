@@ -61,7 +61,6 @@ class _Live:
     count: int = 0  # pending rows: positions ``next - count .. next - 1``
     next: int = 0  # the position its next row should have
     lo: int = 0  # the ring's row count (MetricsStream._head) when its first pending row was written
-    seq: int = 0  # the side-stream work number of its last flush there
     shared: bool = False  # some of its positions were computed by another request (a prefix-cache hit)
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
 
@@ -407,20 +406,15 @@ class MetricsStream:
             self._oldest = head
         self._head = head + total
 
-    def finish(self, req_ids: Iterable[str], inline: bool = False) -> int:
+    def finish(self, req_ids: Iterable[str]) -> None:
         """Before finished requests' blocks can be reused: compute their pending rows and those of any live
-        request that owns a pending row in their slots (a shared prefix).  ``inline``: on the engine's stream,
-        before the next forward, after the earlier flushes of these requests (the engine's stream waits for
-        those alone, not for the capture work queued after them).  Returns the side-stream work number of the
-        last flush that computed any of these requests' rows there (0: none is left to wait for)."""
+        request that owns a pending row in their slots (a shared prefix)."""
         todo: dict[int, _Live] = {}
-        need = 0
         for r in req_ids:
             live = self._live.get(r)
             if live is None:
                 continue
             todo[live.idx] = live
-            need = max(need, live.seq)
             t = live.tracked
             n = int(getattr(t, "written", 0))
             if live.shared and n > 0 and t.block_ids and len(t.block_ids) > self.group:
@@ -428,14 +422,9 @@ class MetricsStream:
                 owners = np.unique(self._writer[blocks])
                 for o in owners[owners >= 0].tolist():
                     other = self._by_idx.get(int(o))
-                    if other is not None:
-                        need = max(need, self._live[other].seq)
-                        if self._live[other].count:
-                            todo[int(o)] = self._live[other]
-        if inline:
-            self.side.wait(need, "spill")
-        self.flush(list(todo.values()), inline)
-        return need
+                    if other is not None and self._live[other].count:
+                        todo[int(o)] = self._live[other]
+        self.flush(list(todo.values()))
 
     def preempt(self, req_ids: Iterable[str]) -> None:
         """Preempted requests' blocks are freed this step: compute their pending rows now."""
@@ -451,16 +440,15 @@ class MetricsStream:
             if live is not None:
                 self._by_idx.pop(live.idx, None)
 
-    def flush(self, lives: Sequence[_Live], inline: bool = False) -> None:
-        """Compute these requests' pending rows (one kernel launch for the streamed layers), on the side stream
-        or, ``inline``, on the engine's (see :meth:`finish`)."""
+    def flush(self, lives: Sequence[_Live]) -> None:
+        """Compute these requests' pending rows (one kernel launch per streamed layer) and free their rows."""
         t0 = time.perf_counter()
         try:
-            self._flush(lives, t0, inline)
+            self._flush(lives, t0)
         finally:
             self.host_s += time.perf_counter() - t0
 
-    def _flush(self, lives: Sequence[_Live], t0: float, inline: bool = False) -> None:
+    def _flush(self, lives: Sequence[_Live], t0: float) -> None:
         lives = sorted((lv for lv in lives if lv.count), key=lambda lv: lv.idx)
         if not lives:
             return
@@ -478,10 +466,7 @@ class MetricsStream:
         row_slots = ks_flat[at]
         prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends_np, firsts, counts)
         seq = 0
-        if self.kernels.fused and inline:  # stream-ordered with the forwards: nothing to track
-            self.kernels.run_fused(firsts, counts, row_slots, ks_flat, cu_k, prompt, vm_parts, vc_parts,
-                                   table=self.ring_of_slot)
-        elif self.kernels.fused:
+        if self.kernels.fused:
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
                 self.kernels.run_fused(firsts, counts, row_slots, ks_flat, cu_k, prompt, vm_parts, vc_parts,
@@ -494,7 +479,6 @@ class MetricsStream:
             self._inflight.append((seq, min(lv.lo for lv in lives)))
         for lv in lives:
             lv.count = 0
-            lv.seq = max(lv.seq, seq)
         self.flushes += 1
         self.flushed_rows += n
         self.flush_times.append(time.perf_counter() - t0)  # host time of a flush that had rows to compute

@@ -1225,7 +1225,9 @@ def _spill_finished(engine, done: list, finished: list) -> list:
     lost): their pending rows computed now, and their last block's rows copied to a spill block that their
     records name instead (attn_otel.spill), so vLLM may reuse that block (it does, at once) before their batch
     is taken.  Returns the records, the spilled ones replaced."""
-    stream = engine.stream
+    import numpy as np
+
+    stream, side = engine.stream, engine.side
     g, bs = stream.group, stream.block_size
     picks = [i for i, (r, t) in enumerate(done) if not t.maps and not stream.lost(r) and finished[i].num_tokens > 0
              and len(finished[i].block_ids) > g and len(finished[i].block_ids[g]) * bs >= finished[i].num_tokens]
@@ -1233,16 +1235,16 @@ def _spill_finished(engine, done: list, finished: list) -> list:
     if not picks:
         return finished
     ids = [done[i][0] for i in picks]
-    # their pending rows, while their keys are theirs, and the copy, on the engine's stream (stream-ordered
-    # before the forward that reuses the last block: nothing for it to wait for)
-    after = stream.finish(ids, inline=True)
+    stream.finish(ids)  # their pending rows, while their keys are theirs
     used = [-(-finished[i].num_tokens // bs) for i in picks]
-    virtual = stream.spill.copy([finished[i].block_ids[g][u - 1] for i, u in zip(picks, used)], after)
+    virtual = stream.spill.copy([finished[i].block_ids[g][u - 1] for i, u in zip(picks, used)])
     stream.forget(ids)
+    seq = side.mark()
     out = list(finished)
     for i, u, v in zip(picks, used, virtual):
         f = finished[i]
         blocks = list(f.block_ids[g])
+        side.reading(g, np.asarray(blocks[u - 1:], dtype=np.int64), seq)  # read by the flush and the copy
         groups = [[] for _ in f.block_ids]  # a capture of streamed layers reads the stream's group only
         groups[g] = blocks[:u - 1] + [v]
         out[i] = dataclasses.replace(f, block_ids=groups, spill=(v,))
@@ -1267,8 +1269,8 @@ def _finish_batch(engine, req_ids: list[str], finished: list) -> None:
     spilled = [v for f in finished for v in f.spill]
     if finished:
         engine.on_finished_many(finished)
-    if spilled:  # their gathers are enqueued: a later copy to these blocks waits for them
-        stream.spill.release(spilled, side.mark())
+    if spilled:  # their gathers are enqueued: a later copy to these blocks comes after them
+        stream.spill.release(spilled)
     if maptap is not None and req_ids:  # their rows, once the gathers just enqueued have read them
         maptap.release(req_ids, side.mark())
     if stream is not None:
