@@ -355,7 +355,8 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
     import matplotlib.pyplot as plt
 
     phases = {p["phase"]: p for p in (json.loads(f.read_text()) for f in sorted(out.glob("phase-*.json")))}
-    onl = {p["phase"]: p for p in (json.loads(f.read_text()) for f in sorted(out.glob("online-*.json")))}
+    onl = {p["phase"]: p for p in (json.loads(f.read_text()) for f in sorted(out.glob("online-*.json")))
+           if "phase" in p}  # (not the A/B collections, online-ab-*.json)
     off = phases.get("off", {})
     configs = {"default": "default", "all_layers": "all"}
 
