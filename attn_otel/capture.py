@@ -230,7 +230,8 @@ class CaptureEngine:
                         stream_flushed_rows=st.flushed_rows, stream_pending_rows=st.pending(),
                         stream_host_s=st.host_s, stream_device_s=st.device_s,
                         stream_flush_times=quantiles(st.flush_times),
-                        stream_spilled_blocks=st.spill.spilled if st.spill is not None else None)
+                        stream_spilled_blocks=st.spill.spilled if st.spill is not None else None,
+                        stream_ring_drifts=st.counter.drifts)
         return snap
 
     def _dump_loop(self) -> None:

@@ -93,8 +93,9 @@ class Planner:
             return None
         if self.stream is not None and self.stream.lost(req.request_id):
             self.stats.add("dropped", reason="stream_lost")
-            self.warn("stream_lost", "a step had more tokens than ATTN_OTEL_STREAM_ROWS; the streamed layers "
-                      "of its requests were not computed, their captures are dropped and counted")
+            self.warn("stream_lost", "the streamed layers of a request could not be computed (a step had more "
+                      "tokens than ATTN_OTEL_STREAM_ROWS, or the query ring's row counter drifted: "
+                      "stream_ring_drifts); such captures are dropped and counted")
             return None
         planned_id, planned_maps = arrival.planned(req.extra_args)  # decided in the scheduler (attn_otel.arrival)
         if planned_id is not None:

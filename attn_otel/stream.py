@@ -216,6 +216,50 @@ class Side:
             self.wait(need)
 
 
+class RowCounterCheck:
+    """Whether the forwards' ring-row counter (on the device) and the host's count of the rows they took still
+    agree, read without a sync: every ``every`` steps the counter is copied to pinned memory behind the
+    forwards enqueued so far, and read once that copy is known done (a CPU tensor is read at once).  The two
+    may differ by a constant (forwards before the first request); a change of that difference is drift:
+    tokens with a slot the host did not count, or counted and no forward wrote.  The ring is flushed at half
+    full, so rows still pending are written over only once the drift reaches about half the ring."""
+
+    def __init__(self, head: torch.Tensor, rows: int, every: int = 64) -> None:
+        self.head, self.rows, self.every = head, int(rows), int(every)
+        self.gpu = head.device.type == "cuda"
+        self.buf = torch.zeros(1, dtype=torch.int64, pin_memory=self.gpu)
+        self.offset: int | None = None
+        self.drifts = 0
+        self._steps = 0
+        self._inflight: tuple[int, Any] | None = None  # (the host's count when copied, the copy's event)
+
+    def poll(self, host: int) -> int:
+        """Before a forward, ``host`` the rows the host counted for the forwards before it: the drift found
+        since the last reading (rows, signed; 0 where they agree or nothing was read)."""
+        if not self.gpu:
+            return self._drift(int(self.head), host)
+        if self._inflight is not None:
+            counted, ev = self._inflight
+            if not ev.query():
+                return 0
+            self._inflight = None
+            return self._drift(int(self.buf[0]), counted)
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self.buf.copy_(self.head, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._inflight = (host, ev)
+        return 0
+
+    def _drift(self, device: int, host: int) -> int:
+        off = (device - host) % self.rows
+        d = 0 if self.offset is None else (off - self.offset + self.rows // 2) % self.rows - self.rows // 2
+        self.offset = off
+        self.drifts += d != 0
+        return d
+
+
 class MetricsStream:
     """Query ring, slot table and per-slot metrics buffer of the streamed layers (all in one KV-cache group,
     of one shape).  Host methods run on the engine loop; the device work they enqueue is stream-ordered with
@@ -254,6 +298,7 @@ class MetricsStream:
         self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)
         self.head = torch.zeros(1, dtype=torch.int64, device=device)
         self.base = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counter = RowCounterCheck(self.head, R)
         key_caches = key_caches or {}
         # Keys: a [blocks, block_size, Hkv, D] view of vLLM's cache per layer, else a K-only tap.
         self.keys: dict[int, torch.Tensor] = {}
@@ -273,6 +318,7 @@ class MetricsStream:
         # flushes whose rows may still be read: (work number, their oldest row); per block the owner of the
         # request that wrote it (for a shared prefix's pending rows, see finish)
         self._head = 0
+        self._drift = 0  # rows the device counter moved apart from the host's count (RowCounterCheck)
         self._oldest: int | None = None
         self._inflight: list[tuple[int, int]] = []
         self._writer = np.full(-(-S // self.block_size), -1, dtype=np.int64)
@@ -362,6 +408,14 @@ class MetricsStream:
             self.host_s += time.perf_counter() - t0
 
     def _schedule(self, items: list, total: int | None) -> None:
+        self._drift += self.counter.poll(self._head)
+        if abs(self._drift) >= self.rows // 4:  # pending rows may have been written over: not computed
+            logger.warning("attn-otel: the query ring's row counter drifted %d rows from the host's count of the "
+                           "forwards' tokens; the captures of the requests running now are dropped "
+                           "(stream_ring_drifts)", self._drift)
+            for lv in self._live.values():
+                lv.lost = True
+            self._drift = 0
         if total is None:
             total = sum(it[3] for it in items)
         if total <= 0:

@@ -91,6 +91,7 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert res["flushes"] > 20 and res["pending"] == 0
     stats = res["stats"]
     assert stats["captured"] == len(res["runs"]) and stats["dropped"] == {}, stats
+    assert stats["stream_ring_drifts"] == 0  # the device's ring-row counter kept to the host's count
     # every batch of finished requests' work is timed (each generate() ends idle, which takes one at least)
     assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
     assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]

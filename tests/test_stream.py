@@ -84,10 +84,11 @@ class Toy:
         self.q[rid], self.k[rid] = q, k
         return self.t[rid]
 
-    def step(self, chunks, finished=(), preempted=(), uncaptured=()):
+    def step(self, chunks, finished=(), preempted=(), uncaptured=(), uncounted=()):
         """One engine step as the adapter runs it: preempted and finished first, then this step's tokens
         (``(rid, start, n)``) scheduled and "forwarded"; ``uncaptured`` chunks are forwarded too (first), but
-        only counted in the step's total, as a request attn-otel does not follow."""
+        only counted in the step's total, as a request attn-otel does not follow; ``uncounted`` chunks are
+        forwarded and not even counted (tokens no scheduler output announced)."""
         side = self.stream.side
         if self.slow and side.stream is not None:
             with side.context():
@@ -112,7 +113,7 @@ class Toy:
             items.append((rid, self.t[rid], start, n))
         self.stream.schedule(items, sum(n for _, _, n in [*chunks, *uncaptured]))
         side.guard_items(items, [BS])
-        chunks = [*uncaptured, *chunks]
+        chunks = [*uncaptured, *uncounted, *chunks]
         # the forward: one flattened batch, padded with slot -1 as CUDA graphs pad
         slot_list, qs, ks = [], {s.index: [] for s in LAYERS}, {s.index: [] for s in LAYERS}
         for rid, start, n in chunks:
@@ -186,6 +187,7 @@ def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache
         assert toy.stream.flushes >= 4  # 68 rows through a 16-row ring: it filled again and again
     # every token took one ring row, in order: the device counter and the host's count agree
     assert toy.stream._head == 3 * 9 + 13 + 7 + 21 and int(toy.stream.head) == toy.stream._head % rows
+    assert toy.stream.counter.drifts == 0
 
 
 def test_a_spilled_last_block_outlives_its_reuse(device):
@@ -253,6 +255,34 @@ def test_tokens_of_requests_not_followed_take_ring_rows_too(device):
     got = toy.step([], finished=["a"])
     toy.check("a", got["a"])
     assert toy.stream._head == 12 + 25 and int(toy.stream.head) == 37 % 16
+
+
+def test_a_drifted_row_counter_drops_the_running_captures(device):
+    """Tokens a forward wrote that the host did not count move the device's ring-row counter away from the
+    host's count (attn_otel.stream.RowCounterCheck): a drift is counted and, once it reaches a quarter of the
+    ring, the captures of the requests running then are dropped (their pending rows may have been written
+    over); requests that start after it are captured."""
+    toy = Toy(rows=64, device=device)
+    toy.stream.counter.every = 1
+    toy.new("a", 40, prompt_len=8)
+    toy.new("u", 30, prompt_len=30)
+    toy.step([("a", 0, 8)])
+    toy.step([("a", 8, 1)], uncounted=[("u", 0, 3)])  # 3 rows: counted, nothing dropped
+    for p in range(9, 12):
+        toy.step([("a", p, 1)])
+    assert toy.stream.counter.drifts == 1 and not toy.stream.lost("a")
+    toy.step([("a", 12, 1)], uncounted=[("u", 3, 16)])  # 3 + 16 = 19 rows >= 64 / 4
+    for p in range(13, 16):
+        toy.step([("a", p, 1)])
+    assert toy.stream.counter.drifts == 2 and toy.stream.lost("a")
+    toy.new("b", 6, prompt_len=4)
+    toy.step([("b", 0, 4)])
+    toy.step([("b", 4, 1)])
+    toy.step([("b", 5, 1)])
+    toy.t["b"].written = 6
+    got = toy.step([], finished=["b"])
+    toy.check("b", got["b"])
+    assert not toy.stream.lost("b") and toy.stream.counter.drifts == 2
 
 
 def test_a_prefix_hit_on_a_live_requests_pending_rows(device):
