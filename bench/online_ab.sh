@@ -12,9 +12,11 @@
 #   call 3:  bash bench/online_ab.sh ab 2 old new  (the other order)
 #
 # Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
-# 39.47, run 15's) sets the load (80% of it).
+# 39.47, run 15's) sets the load (80% of it); REPEATS (default 3) the measured runs a server: the ITL p99 of one
+# run spreads by up to 20 ms at this load (runs 22-25), so more runs a server buy more than more servers.
 set -uo pipefail
 cap=${CAPACITY:-39.47}
+reps=${REPEATS:-3}  # measured runs a server (each ~14 s at this load; a server's start is ~100 s on a warm machine)
 case "${1:-}" in
 setup)  # install, then off
   bash "$0" install && bash "$0" off
@@ -31,7 +33,8 @@ install)  # stage vLLM's last batch, install this checkout and the old one (/tmp
 off)  # capture off, the ratios' reference (a fresh machine compiles for ~220 s first)
   source /tmp/gpu-env.sh
   mkdir -p /tmp/ab/off "$OUT/ab"
-  timeout 540 python3 bench/overhead.py --online off --capacity "$cap" --out /tmp/ab/off > /tmp/ab/off.log 2>&1
+  timeout 540 python3 bench/overhead.py --online off --capacity "$cap" --repeats "$reps" --out /tmp/ab/off \
+    > /tmp/ab/off.log 2>&1
   echo "off rc $?"; grep -E "^\[online|Error" /tmp/ab/off.log | tail -5
   cp /tmp/ab/off/online-off.json "$OUT/ab/"
   ;;
@@ -42,7 +45,8 @@ ab)
     dir=/tmp/ab/$d-$run
     mkdir -p "$dir" "$OUT/ab"; cp /tmp/ab/off/online-off.json "$dir/"
     pp=""; [ "$d" = old ] && pp="/tmp/old:"
-    PYTHONPATH=$pp$PYTHONPATH timeout 285 python3 bench/overhead.py --online default --capacity "$cap" --out "$dir" \
+    PYTHONPATH=$pp${PYTHONPATH:-} timeout $((225 + 20 * reps)) python3 bench/overhead.py --online default \
+      --capacity "$cap" --repeats "$reps" --out "$dir" \
       > "$dir.log" 2>&1
     echo "$d rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
     cp "$dir/online-default.json" "$OUT/ab/online-default-$d-$run.json"
