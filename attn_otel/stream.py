@@ -622,10 +622,10 @@ class FlushKernels:
         self.device_s = 0.0  # device time of the flush kernels (and their uploads), as far as completed
         self._timing: list = []
 
-    def run_fused(self, firsts, counts, rows_np, key_slots, cu_keys, prompt, vm_parts, vc_parts,
-                  table: torch.Tensor | None = None) -> None:
+    def run_fused(self, firsts, counts, row_slots, key_slots, cu_keys, prompt, vm_parts, vc_parts,
+                  table: torch.Tensor) -> None:
         """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``);
-        ``rows_np``: the pending rows' ring rows, or with ``table`` (slot -> ring row, on the device) their slots."""
+        ``row_slots``: the pending rows' slots, whose ring rows ``table`` (slot -> ring row, on the device) gives."""
         cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)
         cu_rows[1:] = np.cumsum(counts)
         cu_keys = np.asarray(cu_keys, dtype=np.int32)
@@ -634,14 +634,13 @@ class FlushKernels:
             self._poll_timing()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        host = [rows_np, cu_rows, np.asarray(firsts, dtype=np.int32), key_slots, cu_keys,
+        host = [row_slots, cu_rows, np.asarray(firsts, dtype=np.int32), key_slots, cu_keys,
                 np.asarray(prompt, dtype=np.int32)]
         if vm_parts is not None:
             host += [np.concatenate(vm_parts).astype(np.float32), np.concatenate(vc_parts).astype(np.float32)]
-        rows_d, cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, *vis = upload_many(host, self.device)  # one copy
+        slots_d, cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, *vis = upload_many(host, self.device)  # one copy
         vm_d, vc_d = vis if vis and self.vision else (None, None)  # (a text model keeps no vision rows)
-        if table is not None:
-            rows_d = table.index_select(0, rows_d)
+        rows_d = table.index_select(0, slots_d)
         if self._layered is not None:  # every layer in one launch
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(

@@ -1198,7 +1198,8 @@ def _track(runner, engine, so, t0: float) -> None:
             items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
         if deferred and cached.new_block_ids[i] is not None:
             fresh.extend(cached.new_block_ids[i])
-    empty = not int(getattr(so, "total_num_scheduled_tokens", 1))
+    total = getattr(so, "total_num_scheduled_tokens", None)  # every token of the forward, captured or not
+    empty = total is not None and not int(total)
     if empty and len(tracker):  # a step of no token while requests run (async scheduling makes a few)
         engine.stats.add("empty_steps")
     if deferred.due(flat_blocks(fresh), empty):
@@ -1213,7 +1214,7 @@ def _track(runner, engine, so, t0: float) -> None:
     if shadow is not None:  # first: the others read the requests' blocks there
         shadow.schedule(items)
     if stream is not None:  # every token of the forward takes a ring row, captured or not
-        stream.schedule(items, int(getattr(so, "total_num_scheduled_tokens", 0) or 0) or None)
+        stream.schedule(items, None if total is None else int(total))
     if maptap is not None:
         maptap.schedule(items)
     side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads
