@@ -514,19 +514,18 @@ class MetricsStream:
         # positions, whose slots find their ring rows (the table the forwards wrote)
         ks_flat, cu_k = slots_many([lv.tracked.block_ids[self.group] for lv in lives], self.block_size, ends_np)
         n = int(cnt.sum())
-        starts = np.zeros(len(lives), dtype=np.int64)
-        np.cumsum(cnt[:-1], out=starts[1:])
-        at = np.repeat(cu_k[1:] - cnt - starts, cnt) + np.arange(n)
-        row_slots = ks_flat[at]
         prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends_np, firsts, counts)
         seq = 0
         if self.kernels.fused:
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
-                self.kernels.run_fused(firsts, counts, row_slots, ks_flat, cu_k, prompt, vm_parts, vc_parts,
+                self.kernels.run_fused(firsts, counts, ks_flat, cu_k, prompt, vm_parts, vc_parts,
                                        table=self.ring_of_slot)
                 seq = self.side.mark()
         else:
+            starts = np.zeros(len(lives), dtype=np.int64)
+            np.cumsum(cnt[:-1], out=starts[1:])
+            row_slots = ks_flat[np.repeat(cu_k[1:] - cnt - starts, cnt) + np.arange(n)]  # the pending rows' slots
             rows = self.ring_of_slot[torch.from_numpy(row_slots).to(self.device)].cpu().numpy()
             self.kernels.run_torch(firsts, counts, rows, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)
         if seq:  # the forwards may write these rows again once the flush has read them (see _reclaim)
@@ -622,10 +621,10 @@ class FlushKernels:
         self.device_s = 0.0  # device time of the flush kernels (and their uploads), as far as completed
         self._timing: list = []
 
-    def run_fused(self, firsts, counts, row_slots, key_slots, cu_keys, prompt, vm_parts, vc_parts,
-                  table: torch.Tensor) -> None:
+    def run_fused(self, firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts, table: torch.Tensor) -> None:
         """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``);
-        ``row_slots``: the pending rows' slots, whose ring rows ``table`` (slot -> ring row, on the device) gives."""
+        its pending rows are its last ``counts[b]`` positions, whose ring rows the kernel reads from ``table``
+        (slot -> ring row, on the device) at their slots."""
         cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)
         cu_rows[1:] = np.cumsum(counts)
         cu_keys = np.asarray(cu_keys, dtype=np.int32)
@@ -634,25 +633,24 @@ class FlushKernels:
             self._poll_timing()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        host = [row_slots, cu_rows, np.asarray(firsts, dtype=np.int32), key_slots, cu_keys,
-                np.asarray(prompt, dtype=np.int32)]
+        host = [cu_rows, np.asarray(firsts, dtype=np.int32), key_slots, cu_keys, np.asarray(prompt, dtype=np.int32)]
         if vm_parts is not None:
             host += [np.concatenate(vm_parts).astype(np.float32), np.concatenate(vc_parts).astype(np.float32)]
-        slots_d, cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, *vis = upload_many(host, self.device)  # one copy
+        cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, *vis = upload_many(host, self.device)  # one copy
         vm_d, vc_d = vis if vis and self.vision else (None, None)  # (a text model keeps no vision rows)
-        rows_d = table.index_select(0, slots_d)
         if self._layered is not None:  # every layer in one launch
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
-                self.q, rows_d, cu_rows_d, first_d, caches, offs, keys_d, cu_keys_d, prompt_d, max(counts),
-                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics, terms=self.terms, rows=self.rows)
+                self.q, None, cu_rows_d, first_d, caches, offs, keys_d, cu_keys_d, prompt_d, max(counts),
+                self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics, terms=self.terms, rows=self.rows,
+                row_table=table)
         else:
             for spec in self.layers:
                 li = self.pos[spec.index]
                 triton_metrics.row_metrics_stream(
-                    self.q[li], rows_d, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
+                    self.q[li], None, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                     max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li],
-                    terms=triton_metrics.terms([spec], self.device), rows=self.rows)
+                    terms=triton_metrics.terms([spec], self.device), rows=self.rows, row_table=table)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -699,13 +697,13 @@ class FlushKernels:
 
         z = np.zeros(1, dtype=np.int32)
         one = np.asarray([0, 1], dtype=np.int32)
-        rows_d, cu_d, first_d, prompt_d = up(np.asarray([pad_row], dtype=np.int64)), up(one), up(z), up(one[1:])
-        keys_d = up(np.zeros(1, dtype=np.int64))
+        table_d, cu_d, first_d, prompt_d = up(np.asarray([pad_row], dtype=np.int64)), up(one), up(z), up(one[1:])
+        keys_d = up(np.zeros(1, dtype=np.int64))  # key slot 0, whose row the one-entry table gives: pad_row
         if self._layered is not None:
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
-                self.q, rows_d, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, 1, self.layers[0].scale,
-                self.sink_tokens, None, None, self.metrics, terms=self.terms, rows=self.rows)
+                self.q, None, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, 1, self.layers[0].scale,
+                self.sink_tokens, None, None, self.metrics, terms=self.terms, rows=self.rows, row_table=table_d)
             launches = 1
         else:  # one launch per kernel variant the layers need: their keys' dtype and their terms' switches
             variants = {}
@@ -716,8 +714,8 @@ class FlushKernels:
             for spec, t in variants.values():
                 li = self.pos[spec.index]
                 triton_metrics.row_metrics_stream(
-                    self.q[li], rows_d, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
-                    self.sink_tokens, None, None, self.metrics[li], terms=t, rows=self.rows)
+                    self.q[li], None, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
+                    self.sink_tokens, None, None, self.metrics[li], terms=t, rows=self.rows, row_table=table_d)
             launches = len(variants)
         self.metrics[:, 0].fill_(float("nan"))
         return launches

@@ -125,14 +125,15 @@ if triton is not None:
     def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, WINP, CHP, CAPP, SINKP, KS, scale, BS,
                      HEADS, GROUP, NHG, sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
                      HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, LAYERED: tl.constexpr,
-                     LOCAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+                     QR_TABLE: tl.constexpr, LOCAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
                      ROW_NORM: tl.constexpr, ROW_S0: tl.constexpr, ROW_SK: tl.constexpr, ROW_VIS: tl.constexpr,
                      ROW_LB: tl.constexpr, ROW_SINK: tl.constexpr,
                      HG: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_N: tl.constexpr):
         # Request b: its query rows are positions A[b] .. A[b] + n - 1 (n = CUQ[b+1] - CUQ[b]), read from Q
         # at rows QR[CUQ[b] + i]; its keys are positions 0 .. T - 1 (T = CUK[b+1] - CUK[b] = A[b] + n), read
-        # at slots KSL[CUK[b] + j] of a paged K (block KSL // BS, offset KSL % BS; a tap is BS = 1).
+        # at slots KSL[CUK[b] + j] of a paged K (block KSL // BS, offset KSL % BS; a tap is BS = 1).  QR_TABLE:
+        # QR is a slot -> Q row table instead, and position p's row is QR[KSL[CUK[b] + p]] (the stream's ring).
         # A program takes BLOCK_R consecutive rows of HEADS query heads that share one KV head (HG >= HEADS,
         # a power of two; padded heads are masked): BLOCK_M = HG * BLOCK_R rows against each K tile, loaded
         # once for all of them (GQA).
@@ -174,7 +175,10 @@ if triton is not None:
         row_ok = (local < n) & head_ok
         rows = a + local
         dd = tl.arange(0, D)
-        qrow = tl.load(QR + qstart + local, mask=row_ok, other=0)
+        if QR_TABLE:
+            qrow = tl.load(QR + tl.load(KSL + kstart0 + rows, mask=row_ok, other=0), mask=row_ok, other=0)
+        else:
+            qrow = tl.load(QR + qstart + local, mask=row_ok, other=0)
         q = tl.load(Q + qrow[:, None] * sq_t + hh[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
         if D2 > 0:
             q2 = tl.load(Q + qrow[:, None] * sq_t + hh[:, None] * sq_h + D + tl.arange(0, D2)[None, :],
@@ -663,7 +667,7 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
                        prompt_lens: torch.Tensor, max_rows: int, scale: float, sink_tokens: int,
                        vision_mask: torch.Tensor | None, vision_count: torch.Tensor | None,
                        out: torch.Tensor, terms: Terms | None = None,
-                       rows: tuple[str, ...] | None = None) -> torch.Tensor:
+                       rows: tuple[str, ...] | None = None, row_table: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of several live requests, each against its keys in vLLM's paged cache, into a per-slot buffer.
 
     Request b's query rows are positions ``first[b] ..`` (``cu_rows[b+1] - cu_rows[b]`` of them) at rows
@@ -673,10 +677,12 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     position + 1.  Row i's metrics go to ``out[slot of position i, metric, head]`` (``out [S, 7, Hq]``,
     float16 or float32; ``out [S, len(rows), Hq]`` with the metrics ``rows`` only, see :func:`_rows_at`).
     ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the number of vision keys up to
-    each row (``cu_rows``).  Enqueued on the current stream, no host sync."""
-    _launch(q_ring, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
-            out, out.stride(0), out.stride(1), out.stride(2), True, max_rows, scale, sink_tokens, terms=terms,
-            rows=rows)
+    each row (``cu_rows``).  With ``row_table`` (slot -> row of ``q_ring``, int64; ``q_rows`` is then not read)
+    the row of position ``p`` is ``row_table[its slot]``: no per-row index to build or upload.  Enqueued on the
+    current stream, no host sync."""
+    _launch(q_ring, q_rows if row_table is None else row_table, cu_rows, first, key_cache, key_slots, cu_keys,
+            prompt_lens, vision_mask, vision_count, out, out.stride(0), out.stride(1), out.stride(2), True, max_rows,
+            scale, sink_tokens, terms=terms, rows=rows, qr_table=row_table is not None)
     return out
 
 
@@ -685,13 +691,15 @@ def row_metrics_stream_layers(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_row
                               key_slots: torch.Tensor, cu_keys: torch.Tensor, prompt_lens: torch.Tensor,
                               max_rows: int, scale: float, sink_tokens: int, vision_mask: torch.Tensor | None,
                               vision_count: torch.Tensor | None, out: torch.Tensor,
-                              terms: Terms | None = None, rows: tuple[str, ...] | None = None) -> torch.Tensor:
+                              terms: Terms | None = None, rows: tuple[str, ...] | None = None,
+                              row_table: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`row_metrics_stream` for every layer of ``q_ring [L, R, Hq, D]`` and ``out [L, S, 7, Hq]`` in one
     launch: layer l's keys are ``key_caches[l]`` (one shape, dtype and strides), which lies
     ``key_offsets[l]`` elements from ``key_caches[0]`` (see :func:`key_offsets`)."""
-    _launch(q_ring[0], q_rows, cu_rows, first, key_caches[0], key_slots, cu_keys, prompt_lens, vision_mask,
-            vision_count, out[0], out.stride(1), out.stride(2), out.stride(3), True, max_rows, scale, sink_tokens,
-            layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)), terms=terms, rows=rows)
+    _launch(q_ring[0], q_rows if row_table is None else row_table, cu_rows, first, key_caches[0], key_slots, cu_keys,
+            prompt_lens, vision_mask, vision_count, out[0], out.stride(1), out.stride(2), out.stride(3), True,
+            max_rows, scale, sink_tokens, layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)),
+            terms=terms, rows=rows, qr_table=row_table is not None)
     return out
 
 
@@ -821,8 +829,9 @@ def _rows_at(names: tuple[str, ...] | None) -> dict[str, int]:
 
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
             out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None,
-            terms: Terms | None = None, rows: tuple[str, ...] | None = None) -> None:
-    """``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
+            terms: Terms | None = None, rows: tuple[str, ...] | None = None, qr_table: bool = False) -> None:
+    """``qr_table``: ``q_rows`` is a slot -> row table, read at each row's key slot (``by_slot`` only).
+    ``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
     are then layer 0's, ``key_cache`` layer 0's cache and ``key_offsets`` each layer's element offset from
     it, int64 on the device).  ``terms``: the layers' attention terms (:func:`terms`), None for plain
     layers; with learned sinks ``out`` has an eighth metric row (``so_m`` apart), learned_sink_mass.  ``rows``:
@@ -855,7 +864,7 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
                        sq_l, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                        so_l, so_r, so_m, so_h,
                        HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None,
-                       LOCAL=terms is not None and terms.local, HAS_CAP=terms is not None and terms.has_cap,
+                       QR_TABLE=bool(qr_table), LOCAL=terms is not None and terms.local, HAS_CAP=terms is not None and terms.has_cap,
                        HAS_SINKS=terms is not None and terms.sinks is not None, **at, HG=hg, D=split[0],
                        D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 

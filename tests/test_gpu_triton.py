@@ -261,3 +261,34 @@ def test_stream_kernel_from_any_first_row_matches_torch(first):
     assert not torch.isnan(ref[6]).all()
     ok = ~torch.isnan(ref)
     assert (got[ok] - ref[ok]).abs().max().item() < 2e-4
+
+
+@pytest.mark.parametrize("first", [0, 250])
+def test_stream_kernel_reads_each_rows_ring_row_from_the_slot_table_as_from_given_rows(first):
+    """``row_table`` (the stream's slot -> ring-row table, read at each pending row's key slot) gives bit for
+    bit what the same rows given one by one give, with the ring rows in an order of their own (wrapped)."""
+    from attn_otel import triton_metrics as tm
+
+    g = torch.Generator(device="cuda").manual_seed(first + 7)
+    H, Hkv, D, NB, BS, T, N, R = 8, 2, 64, 32, 16, 400, 100, 512
+    k = (torch.randn(T, Hkv, D, device="cuda", generator=g) * 1.5).bfloat16()
+    slots = torch.randperm(NB * BS, device="cuda", generator=g)[:T]
+    cache = torch.zeros(NB, BS, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    cache.view(NB * BS, Hkv, D)[slots] = k
+    ring = (torch.randn(R + 1, H, D, device="cuda", generator=g) * 1.5).bfloat16()
+    ring_rows = (torch.arange(T, device="cuda") + 300) % R  # position i's query at ring row (i + 300) % R
+    table = torch.full((NB * BS + 1,), R, dtype=torch.int64, device="cuda")
+    table[slots] = ring_rows
+    n = T - first
+    one = lambda x: torch.tensor([x], dtype=torch.int32, device="cuda")
+    cu = lambda x: torch.tensor([0, x], dtype=torch.int32, device="cuda")
+    given = torch.full((NB * BS, 7, H), float("nan"), device="cuda")
+    tm.row_metrics_stream(ring, ring_rows[first:], cu(n), one(first), cache, slots, cu(T), one(N), n, D ** -0.5, 4,
+                          None, None, given)
+    looked_up = torch.full_like(given, float("nan"))
+    tm.row_metrics_stream(ring, None, cu(n), one(first), cache, slots, cu(T), one(N), n, D ** -0.5, 4, None, None,
+                          looked_up, row_table=table)
+    assert not torch.isnan(given[slots[first:], 0]).any()  # every pending row computed
+    assert torch.equal(torch.isnan(given), torch.isnan(looked_up))
+    ok = ~torch.isnan(given)
+    assert torch.equal(given[ok], looked_up[ok])
