@@ -92,6 +92,12 @@ finishes a step while one of them holds the GIL, the loop waits up to this long 
 next step (measured on an H100: 0.6 s of 23.8 s idle on the mixed workload at Python's 5 ms).  ``0``: leave
 the process's interval alone.  Default ``0.2``."""
 
+ATTN_OTEL_AFTER_LAUNCH = "ATTN_OTEL_AFTER_LAUNCH"
+"""``1``: capture work that no forward is waiting for (a batch of finished requests' captures none of whose
+blocks the step's forward writes; the streamed layers' flush at half the query ring) runs after the step's
+forward is launched, while the device runs it, not before.  ``0``: before the forward, as up to 2026-11-26.
+Default ``1``."""
+
 ATTN_OTEL_FINISH_BATCH_STEPS = "ATTN_OTEL_FINISH_BATCH_STEPS"
 """Engine steps a finished request's capture work may wait, to be done with other finished requests' in one
 batch (:mod:`attn_otel.deferred`): it is done sooner where vLLM gives one of the request's blocks to another
@@ -277,6 +283,7 @@ class Config:
     writer_timeout_s: float = 0.0
     gil_switch_ms: float = 0.2
     finish_batch_steps: int = 16
+    after_launch: bool = True
     kv_write: str = "fused"
     view_url: str | None = None
 
@@ -311,6 +318,7 @@ class Config:
         values["gil_switch_ms"] = _number(env, ATTN_OTEL_GIL_SWITCH_MS, d.gil_switch_ms, float, 0.0, 100.0)
         values["finish_batch_steps"] = _number(env, ATTN_OTEL_FINISH_BATCH_STEPS, d.finish_batch_steps, int, 0,
                                                1024)
+        values["after_launch"] = _choice(env, ATTN_OTEL_AFTER_LAUNCH, ("0", "1"), "1") == "1"
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)

@@ -38,6 +38,7 @@ class DeferredFinish:
         self._age = 0  # steps since the oldest held one finished
         self.batches = 0  # batches taken (stats)
         self.reason = ""  # why the last due() said yes: idle, maps, count, age or reuse (stats)
+        self.reused = False  # whether the last due() found a held block among the step's (whatever its reason)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -67,18 +68,17 @@ class DeferredFinish:
     def due(self, fresh: np.ndarray, idle: bool) -> bool:
         """Whether the held requests must be taken before this step's forward: ``fresh`` are the block ids
         this step's requests may write that no earlier step gave them; ``idle``: the step schedules no token."""
+        self.reused = False
         if not self.req_ids:
             return False
         self._age += 1
-        for reason, hit in (("idle", idle), ("maps", self.maps), ("count", len(self.finished) >= self.max_requests),
-                            ("age", self._age > self.max_steps)):
-            if hit:
-                self.reason = reason
-                return True
         if fresh.size:
             fresh = fresh[fresh < self._held.shape[0]]
-            if self._held[fresh].any():
-                self.reason = "reuse"
+            self.reused = bool(self._held[fresh].any())  # then the work must come before the forward
+        for reason, hit in (("idle", idle), ("maps", self.maps), ("count", len(self.finished) >= self.max_requests),
+                            ("age", self._age > self.max_steps), ("reuse", self.reused)):
+            if hit:
+                self.reason = reason
                 return True
         return False
 

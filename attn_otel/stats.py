@@ -15,10 +15,11 @@ import numpy as np
 logger = logging.getLogger("attn_otel")
 
 
-# the parts of the engine loop's time in attn-otel before a forward (Stats.step_parts): finished requests' token
+# the parts of the engine loop's time in attn-otel (Stats.step_parts), before a forward: finished requests' token
 # ids and preempted requests' rows; finished requests' capture work, batched over steps (attn_otel.deferred: the
-# streamed layers' rows of them, then their captures); the step's tokens given rows
-STEP_PARTS = ("finished_rows", "captures", "schedule")
+# streamed layers' rows of them, then their captures); the step's tokens given rows; and after the forward's
+# launch, the work it does not wait for (ATTN_OTEL_AFTER_LAUNCH: finish batches, the flush at half the ring)
+STEP_PARTS = ("finished_rows", "captures", "schedule", "after_launch")
 
 
 class Stats:

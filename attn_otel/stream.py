@@ -321,6 +321,8 @@ class MetricsStream:
         self._drift = 0  # rows the device counter moved apart from the host's count (RowCounterCheck)
         self._oldest: int | None = None
         self._inflight: list[tuple[int, int]] = []
+        self.defer_flush = False  # the flush at half the ring waits for after_launch (ATTN_OTEL_AFTER_LAUNCH)
+        self.flush_due = False
         self._writer = np.full(-(-S // self.block_size), -1, dtype=np.int64)
         self._live: dict[str, _Live] = {}
         self._by_idx: dict[int, str] = {}
@@ -442,12 +444,16 @@ class MetricsStream:
         if stale:
             self.flush(stale)
         # Flush everything pending at half the ring, so the steps after it have rows while it runs beside their
-        # forwards; the rows before ``head + total - rows`` are written again by this forward.
+        # forwards: after this forward's launch (after_launch) where ``defer_flush``, unless the forward writes
+        # over a pending row (those before ``head + total - rows``), then now.
         if self._oldest is not None and head + total - self._oldest > self.rows // 2:
             self._oldest = min((lv.lo for lv in self._live.values() if lv.count), default=None)
             if self._oldest is not None and head + total - self._oldest > self.rows // 2:
-                self.flush([lv for lv in self._live.values() if lv.count])
-                self._oldest = None
+                if self.defer_flush and head + total - self._oldest <= self.rows:
+                    self.flush_due = True
+                else:
+                    self.flush([lv for lv in self._live.values() if lv.count])
+                    self._oldest = None
         self._reclaim(head + total)
         lost = total > self.rows  # a step larger than the ring: cannot happen with rows >= max_num_batched_tokens
         for live, start, n in lives:
@@ -459,6 +465,13 @@ class MetricsStream:
         if self._oldest is None:
             self._oldest = head
         self._head = head + total
+
+    def after_launch(self) -> None:
+        """After the forward :meth:`schedule` counted is launched: the flush at half the ring it left for now."""
+        if self.flush_due:
+            self.flush_due = False
+            self.flush([lv for lv in self._live.values() if lv.count])
+            self._oldest = None
 
     def finish(self, req_ids: Iterable[str]) -> None:
         """Before finished requests' blocks can be reused: compute their pending rows and those of any live

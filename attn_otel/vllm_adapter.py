@@ -71,11 +71,13 @@ def _patch() -> None:
 
     _wrap(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", _after_initialize_kv_cache)
     _wrap(gpu_model_runner.GPUModelRunner, "_update_states", _before_step)
+    _wrap(gpu_model_runner.GPUModelRunner, "execute_model", _after_launch)
     try:  # vLLM 0.26's default GPU runner ("model runner V2"): requests finish in finish_requests.
         from vllm.v1.worker.gpu import model_runner as v2
 
         _wrap(v2.GPUModelRunner, "initialize_kv_cache", _after_initialize_kv_cache)
         _wrap(v2.GPUModelRunner, "finish_requests", _before_step)
+        _wrap(v2.GPUModelRunner, "execute_model", _after_launch)
     except Exception:  # noqa: BLE001 - not in this build (the CPU build has no V2 runner)
         pass
     _patch_scheduler()
@@ -839,6 +841,7 @@ def _install(runner, kv_cache_config) -> None:
                  if config.finish_batch_steps > 0 and len(streamed) == len(specs) and not shadowed else 0)
         stream = MetricsStream(streamed, num_slots, rows, dtype, runner.device, block_sizes[streamed[0].group],
                                config.sink_tokens, keys, vision=_takes_images(runner), spill_slots=spill)
+        stream.defer_flush = config.after_launch  # its flush at half the ring after the forward's launch
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
@@ -848,6 +851,7 @@ def _install(runner, kv_cache_config) -> None:
                            map_tap_rows=_map_tap_rows(config), block_sizes=block_sizes)
     engine.tracker = RequestTracker()
     engine.deferred = DeferredFinish(config.finish_batch_steps)
+    engine.after_launch = None  # (ids, records) of a finish batch left for after the forward's launch
     engine.shadow = None
     if shadowed:
         from .shadow import ShadowBlocks
@@ -1130,10 +1134,46 @@ def _before_step(orig, runner, scheduler_output, *args, **kwargs):
     return orig(runner, scheduler_output, *args, **kwargs)
 
 
+def _after_launch(orig, runner, *args, **kwargs):
+    """vLLM's step (its forward launched, the device running it), then the capture work that forward does not
+    wait for, left by :func:`_track` (ATTN_OTEL_AFTER_LAUNCH): the engine loop does it while the device runs
+    the forward, instead of before the launch."""
+    try:
+        return orig(runner, *args, **kwargs)
+    finally:
+        engine = getattr(runner, "_attn_otel", None)
+        if engine is not None:
+            _run_after_launch(engine)
+
+
+def _run_after_launch(engine) -> None:
+    """The stream's flush at half the ring and the finish batch :func:`_track` left (if any).  Never raises."""
+    stream, work = engine.stream, getattr(engine, "after_launch", None)
+    if work is None and (stream is None or not stream.flush_due):
+        return
+    t0 = time.perf_counter()
+    try:
+        if stream is not None:
+            stream.after_launch()
+        if work is not None:
+            engine.after_launch = None
+            req_ids, batch = work
+            _finish_batch(engine, req_ids, batch)
+            engine.stats.finish_batch_times.append(time.perf_counter() - t0)
+            engine.stats.finish_batch_sizes.append(len(req_ids))
+    except Exception:  # noqa: BLE001
+        engine.stats.add("dropped", reason="capture_error")
+        engine.warn_once("after-launch", "capture work after the forward's launch failed", exc=True)
+    finally:
+        engine.stats.step_parts["after_launch"] += time.perf_counter() - t0
+
+
 def _track(runner, engine, so, t0: float) -> None:
     from .tracking import FinishedRequest
 
     parts = engine.stats.step_parts  # engine-loop time by part (only this thread writes it)
+    if getattr(engine, "after_launch", None) is not None:  # left by a step whose forward never returned here
+        _run_after_launch(engine)
 
     tracker = engine.tracker
     stream = engine.stream
@@ -1205,10 +1245,13 @@ def _track(runner, engine, so, t0: float) -> None:
     if deferred.due(flat_blocks(fresh), empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take()
-        tb = time.perf_counter()
-        _finish_batch(engine, req_ids, batch)
-        engine.stats.finish_batch_times.append(time.perf_counter() - tb)
-        engine.stats.finish_batch_sizes.append(len(req_ids))
+        if engine.config.after_launch and not deferred.reused:  # this forward writes none of their blocks
+            engine.after_launch = (req_ids, batch)
+        else:
+            tb = time.perf_counter()
+            _finish_batch(engine, req_ids, batch)
+            engine.stats.finish_batch_times.append(time.perf_counter() - tb)
+            engine.stats.finish_batch_sizes.append(len(req_ids))
     t2 = time.perf_counter()
     parts["captures"] += t2 - t1
     if shadow is not None:  # first: the others read the requests' blocks there

@@ -78,3 +78,16 @@ def test_block_ids_beyond_the_mark_table_grow_it():
 
 def test_flat_blocks():
     assert flat_blocks([[1, 2], [], [3]]).tolist() == [1, 2, 3] and flat_blocks([]).dtype == np.int64
+
+
+def test_a_held_block_given_out_again_is_seen_whatever_rule_takes_the_batch():
+    """``reused`` says whether the step's forward writes one of the held blocks even where an earlier rule (the
+    age here) takes the batch: such a batch must run before the forward, not after its launch."""
+    d = DeferredFinish(max_steps=0)
+    d.add(["a"], [SimpleNamespace(block_ids=[[3, 4]])])
+    assert d.due(np.asarray([4, 9]), idle=False) and d.reason == "age" and d.reused
+    d.take()
+    d.add(["b"], [SimpleNamespace(block_ids=[[5]])])
+    assert d.due(np.asarray([4, 9]), idle=False) and d.reason == "age" and not d.reused
+    d.take()
+    assert not d.due(np.asarray([5]), idle=False) and not d.reused  # nothing held: nothing reused

@@ -92,6 +92,8 @@ def test_streamed_engine_ran_every_path(streamed_run):
     stats = res["stats"]
     assert stats["captured"] == len(res["runs"]) and stats["dropped"] == {}, stats
     assert stats["stream_ring_drifts"] == 0  # the device's ring-row counter kept to the host's count
+    # work no forward waited for ran after the forwards' launches (ATTN_OTEL_AFTER_LAUNCH, on by default)
+    assert stats["step_host_s"]["after_launch"] > 0, stats["step_host_s"]
     # every batch of finished requests' work is timed (each generate() ends idle, which takes one at least)
     assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
     assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]

@@ -46,7 +46,7 @@ class Toy:
     FLASH_ATTN's ``(blocks, Hkv, BS, K|V)`` tensor, as vllm_adapter._key_cache_view takes it), and a stream."""
 
     def __init__(self, rows: int, num_blocks: int = 64, keys_in_cache: bool = True, seed: int = 0,
-                 device: str = "cpu", slow: bool = False, spill: int = 0):
+                 device: str = "cpu", slow: bool = False, spill: int = 0, defer_flush: bool = False):
         self.g = torch.Generator().manual_seed(seed)
         self.num_blocks = num_blocks
         self.device = device
@@ -63,6 +63,8 @@ class Toy:
         self.q, self.k, self.t = {}, {}, {}
         self.free = list(range(num_blocks))[::-1]
         self.slow = slow  # GPU: every step's capture work starts behind a sleep, far behind the forwards
+        self.stream.defer_flush = defer_flush  # the flush at half the ring after the forward, as the adapter does
+        self.flushed_before = self.flushed_after = 0  # half-ring flushes in schedule / after the forward
 
     def new(self, rid, T, prompt_len, share=None, vision=None):
         """A request of T tokens; ``share=(other, n_blocks)`` reuses the other's first blocks (a prefix hit):
@@ -111,7 +113,9 @@ class Toy:
         for rid, start, n in chunks:
             self.t[rid].written = start + n
             items.append((rid, self.t[rid], start, n))
+        n0 = self.stream.flushes
         self.stream.schedule(items, sum(n for _, _, n in [*chunks, *uncaptured]))
+        self.flushed_before += self.stream.flushes - n0
         side.guard_items(items, [BS])
         chunks = [*uncaptured, *uncounted, *chunks]
         # the forward: one flattened batch, padded with slot -1 as CUDA graphs pad
@@ -138,6 +142,9 @@ class Toy:
                     real = slots >= 0
                     c = self.cache[s.index]
                     c[slots[real] // BS, slots[real] % BS] = k[real]
+        n0 = self.stream.flushes
+        self.stream.after_launch()  # the forward is enqueued: what it did not wait for (vllm_adapter._after_launch)
+        self.flushed_after += self.stream.flushes - n0
         return got
 
     def check(self, rid, got, vision=None):
@@ -188,6 +195,28 @@ def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache
     # every token took one ring row, in order: the device counter and the host's count agree
     assert toy.stream._head == 3 * 9 + 13 + 7 + 21 and int(toy.stream.head) == toy.stream._head % rows
     assert toy.stream.counter.drifts == 0
+
+
+@pytest.mark.parametrize("rows", [16, 64])
+def test_the_flush_at_half_the_ring_waits_for_the_forward_unless_the_forward_would_overwrite_its_rows(rows, device):
+    """With ``defer_flush`` (ATTN_OTEL_AFTER_LAUNCH) the flush at half the ring runs after the step's forward is
+    enqueued, and the rows still equal the reference; only where the step's own tokens would wrap the ring over
+    a pending row does it run before."""
+    toy = Toy(rows, device=device, defer_flush=True)
+    _three_requests(toy)  # 8-token chunks and 3-token steps: never more than half the ring past a flush
+    st = toy.stream
+    assert st.pending() == 0 and st.counter.drifts == 0 and not st.flush_due
+    assert toy.flushed_after >= 1 and toy.flushed_before == 0
+    plain = Toy(rows, device=device)  # the same requests, every half-ring flush before its forward
+    _three_requests(plain)  # (as many flushes or more: one after the launch also takes that step's rows)
+    assert plain.flushed_after == 0 and plain.flushed_before >= toy.flushed_after
+    if rows == 16:  # 7 rows pending (under half), then a step of 12: it would write over them, so before
+        toy.new("d", 19, prompt_len=19)
+        toy.step([("d", 0, 7)])
+        assert toy.flushed_before == 0 and st.pending() == 7
+        toy.step([("d", 7, 12)])
+        assert toy.flushed_before == 1 and st.pending() == 12
+        toy.check("d", toy.step([], finished=["d"])["d"])
 
 
 def test_a_spilled_last_block_outlives_its_reuse(device):
