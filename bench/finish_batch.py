@@ -8,7 +8,9 @@ requests finish in most steps.  Reported per phase: attn-otel's host time before
 by part, ``step_times`` p50 / p99), the finish batches taken (their sizes, and the rule that took each one:
 attn_otel.deferred), the last blocks spilled (attn_otel.spill), the stream's flushes, captures and drops; and
 whether the greedy outputs are identical.  ``--baseline CHECKOUT`` adds a third phase: another attn-otel's
-batched finish (a git worktree of an earlier commit), its package first on PYTHONPATH.  On the CPU build the
+batched finish (a git worktree of an earlier commit), its package first on PYTHONPATH.  A phase with
+``ATTN_OTEL_AFTER_LAUNCH=0`` (the batches and the half-ring flushes before the forward, as up to 2026-11-26)
+shows how much of that time now waits for no forward: ``before_launch_s`` is what is left before the launches.  On the CPU build the
 forwards are slow and the stream's flushes run on the torch path, so the figures are host seconds of
 attn-otel's own work, not the GPU's online latency (``bench/overhead.py --online`` measures that).
 
@@ -54,6 +56,7 @@ def phase(steps: int, n: int, out: Path) -> None:
     snap = engine.stats.snapshot(percentiles=True)
     result = {"finish_batch_steps": steps, "requests": n, "steps": snap["step_times"]["n"],
               "step_host_s": snap["step_host_s"], "step_host_s_total": round(sum(snap["step_host_s"].values()), 4),
+              "before_launch_s": round(sum(v for k, v in snap["step_host_s"].items() if k != "after_launch"), 4),
               "step_times_ms": {q: round(snap["step_times"][q] * 1e3, 3) for q in ("p50", "p90", "p99")},
               "finish_batches": engine.deferred.batches,
               "finish_batch_sizes": {q: snap["finish_batch_sizes"][q] for q in ("p50", "p90", "max")},
@@ -83,15 +86,16 @@ def main() -> None:
     if a.phase is not None:
         phase(a.phase, a.requests, Path(a.phase_out))
         return
-    phases = [("immediate (0)", 0, None), ("batched (16)", 16, None)]
+    phases = [("immediate (0)", 0, None, "1"), ("batched (16)", 16, None, "1"),
+              ("batched (16), all before the launch", 16, None, "0")]
     if a.baseline:
-        phases.append(("batched (16), baseline", 16, str(Path(a.baseline).resolve())))
+        phases.append(("batched (16), baseline", 16, str(Path(a.baseline).resolve()), "1"))
     got = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, steps, path) in enumerate(phases):
+        for i, (name, steps, path, after) in enumerate(phases):
             out = Path(tmp) / f"{i}.json"
             print(f"phase {name} ...", file=sys.stderr, flush=True)
-            env = dict(os.environ)
+            env = {**os.environ, "ATTN_OTEL_AFTER_LAUNCH": after}
             if path:
                 env["PYTHONPATH"] = os.pathsep.join([path, *filter(None, [env.get("PYTHONPATH")])])
             subprocess.run([sys.executable, __file__, "--phase", str(steps), "--phase-out", str(out),
@@ -110,7 +114,13 @@ def main() -> None:
     report = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs", "vllm_version": vllm.__version__,
               "outputs_identical": all(o == outputs[0] for o in outputs), "phases": got,
               "ratio_step_host_s": _ratio(batched["step_host_s_total"], first["step_host_s_total"]),
-              "ratio_captures_part": _ratio(batched["step_host_s"]["captures"], first["step_host_s"]["captures"])}
+              "ratio_captures_part": _ratio(batched["step_host_s"]["captures"], first["step_host_s"]["captures"]),
+              "ratio_before_launch_to_all_before": _ratio(batched["before_launch_s"],
+                                                          got["batched (16), all before the launch"]["before_launch_s"]),
+              "ratio_step_p50_to_all_before": _ratio(batched["step_times_ms"]["p50"],
+                                                     got["batched (16), all before the launch"]["step_times_ms"]["p50"]),
+              "ratio_step_p99_to_all_before": _ratio(batched["step_times_ms"]["p99"],
+                                                     got["batched (16), all before the launch"]["step_times_ms"]["p99"])}
     if a.baseline:
         base = got["batched (16), baseline"]
         report["ratio_step_host_s_to_baseline"] = _ratio(batched["step_host_s_total"], base["step_host_s_total"])

@@ -10,6 +10,8 @@
 #                                                  or "install" and "off" in two calls, other work between)
 #   call 2:  bash bench/online_ab.sh ab 1 new old  (the default of each, one server after the other)
 #   call 3:  bash bench/online_ab.sh ab 2 old new  (the other order)
+#   (a server's name may carry one variable for it: "ab 3 new@ATTN_OTEL_AFTER_LAUNCH=0 new" A/Bs a switch of
+#   this checkout, no old one needed)
 #
 # Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
 # 39.47, run 15's) sets the load (80% of it); REPEATS (default 3) the measured runs a server: the ITL p99 of one
@@ -41,15 +43,17 @@ off)  # capture off, the ratios' reference (a fresh machine compiles for ~220 s 
 ab)
   source /tmp/gpu-env.sh
   run=$2; shift 2
-  for d in "$@"; do
-    dir=/tmp/ab/$d-$run
+  for spec in "$@"; do  # new, old, or either with one variable for its server: new@ATTN_OTEL_AFTER_LAUNCH=0
+    d=${spec%%@*}; var=""; [ "$spec" != "$d" ] && var=${spec#*@}
+    name=$d${var:+-${var//[^A-Za-z0-9]/_}}
+    dir=/tmp/ab/$name-$run
     mkdir -p "$dir" "$OUT/ab"; cp /tmp/ab/off/online-off.json "$dir/"
     pp=""; [ "$d" = old ] && pp="/tmp/old:"
-    PYTHONPATH=$pp${PYTHONPATH:-} timeout $((225 + 20 * reps)) python3 bench/overhead.py --online default \
-      --capacity "$cap" --repeats "$reps" --out "$dir" \
+    env ${var:+"$var"} PYTHONPATH=$pp${PYTHONPATH:-} timeout $((225 + 20 * reps)) python3 bench/overhead.py \
+      --online default --capacity "$cap" --repeats "$reps" --out "$dir" \
       > "$dir.log" 2>&1
-    echo "$d rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
-    cp "$dir/online-default.json" "$OUT/ab/online-default-$d-$run.json"
+    echo "$name rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
+    cp "$dir/online-default.json" "$OUT/ab/online-default-$name-$run.json"
     python3 - "$dir/online-default.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -61,6 +65,6 @@ PY
   done
   ;;
 *)
-  sed -n 2,14p "$0"; exit 2
+  sed -n 2,16p "$0"; exit 2
   ;;
 esac
