@@ -1221,23 +1221,25 @@ def _track(runner, engine, so, t0: float) -> None:
     scheduled = so.num_scheduled_tokens
     items = []
     fresh: list = []  # blocks this step's requests may write that no earlier step gave them (see deferred.py)
+    holding = len(deferred) > 0  # (held requests only: the loops below run for every request of every step)
     for new in so.scheduled_new_reqs:
         sp = new.sampling_params
         n = scheduled.get(new.req_id, 0)
         t = tracker.add(new.req_id, new.prompt_token_ids, getattr(sp, "extra_args", None) if sp else None,
                         new.block_ids, new.num_computed_tokens, n, _vision_positions(new))
         items.append((new.req_id, t, int(new.num_computed_tokens), n))
-        if deferred:
+        if holding:
             fresh.extend(b[int(new.num_computed_tokens) // bs:] for b, bs in zip(new.block_ids, engine.block_sizes))
     cached = so.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", None) or set()
+    update, new_blocks, computed = tracker.update, cached.new_block_ids, cached.num_computed_tokens
     for i, req_id in enumerate(cached.req_ids):
         n = scheduled.get(req_id, 0)
-        t = tracker.update(req_id, cached.new_block_ids[i], cached.num_computed_tokens[i], n, req_id in resumed)
+        t = update(req_id, new_blocks[i], computed[i], n, req_id in resumed)
         if t is not None:
-            items.append((req_id, t, int(cached.num_computed_tokens[i]), n))
-        if deferred and cached.new_block_ids[i] is not None:
-            fresh.extend(cached.new_block_ids[i])
+            items.append((req_id, t, int(computed[i]), n))
+        if holding and new_blocks[i] is not None:
+            fresh.extend(new_blocks[i])
     total = getattr(so, "total_num_scheduled_tokens", None)  # every token of the forward, captured or not
     empty = total is not None and not int(total)
     if empty and len(tracker):  # a step of no token while requests run (async scheduling makes a few)
