@@ -452,8 +452,7 @@ class MetricsStream:
                 if self.defer_flush and head + total - self._oldest <= self.rows:
                     self.flush_due = True
                 else:
-                    self.flush([lv for lv in self._live.values() if lv.count])
-                    self._oldest = None
+                    self._flush_all()
         self._reclaim(head + total)
         lost = total > self.rows  # a step larger than the ring: cannot happen with rows >= max_num_batched_tokens
         for live, start, n in lives:
@@ -469,9 +468,12 @@ class MetricsStream:
     def after_launch(self) -> None:
         """After the forward :meth:`schedule` counted is launched: the flush at half the ring it left for now."""
         if self.flush_due:
-            self.flush_due = False
-            self.flush([lv for lv in self._live.values() if lv.count])
-            self._oldest = None
+            self._flush_all()
+
+    def _flush_all(self) -> None:
+        """Every live request's pending rows: nothing is pending (or due) after it."""
+        self.flush([lv for lv in self._live.values() if lv.count])
+        self._oldest, self.flush_due = None, False
 
     def finish(self, req_ids: Iterable[str]) -> None:
         """Before finished requests' blocks can be reused: compute their pending rows and those of any live

@@ -864,7 +864,8 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
                        sq_l, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                        so_l, so_r, so_m, so_h,
                        HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None,
-                       QR_TABLE=bool(qr_table), LOCAL=terms is not None and terms.local, HAS_CAP=terms is not None and terms.has_cap,
+                       QR_TABLE=bool(qr_table), LOCAL=terms is not None and terms.local,
+                       HAS_CAP=terms is not None and terms.has_cap,
                        HAS_SINKS=terms is not None and terms.sinks is not None, **at, HG=hg, D=split[0],
                        D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 

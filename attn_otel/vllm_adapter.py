@@ -1157,10 +1157,7 @@ def _run_after_launch(engine) -> None:
             stream.after_launch()
         if work is not None:
             engine.after_launch = None
-            req_ids, batch = work
-            _finish_batch(engine, req_ids, batch)
-            engine.stats.finish_batch_times.append(time.perf_counter() - t0)
-            engine.stats.finish_batch_sizes.append(len(req_ids))
+            _timed_finish_batch(engine, *work)
     except Exception:  # noqa: BLE001
         engine.stats.add("dropped", reason="capture_error")
         engine.warn_once("after-launch", "capture work after the forward's launch failed", exc=True)
@@ -1250,10 +1247,7 @@ def _track(runner, engine, so, t0: float) -> None:
         if engine.config.after_launch and not deferred.reused:  # this forward writes none of their blocks
             engine.after_launch = (req_ids, batch)
         else:
-            tb = time.perf_counter()
-            _finish_batch(engine, req_ids, batch)
-            engine.stats.finish_batch_times.append(time.perf_counter() - tb)
-            engine.stats.finish_batch_sizes.append(len(req_ids))
+            _timed_finish_batch(engine, req_ids, batch)
     t2 = time.perf_counter()
     parts["captures"] += t2 - t1
     if shadow is not None:  # first: the others read the requests' blocks there
@@ -1295,6 +1289,14 @@ def _spill_finished(engine, done: list, finished: list) -> list:
         groups[g] = blocks[:u - 1] + [v]
         out[i] = dataclasses.replace(f, block_ids=groups, spill=(v,))
     return out
+
+
+def _timed_finish_batch(engine, req_ids: list[str], finished: list) -> None:
+    """:func:`_finish_batch`, its time and size in the stats (the batch's own: before the forward or after)."""
+    tb = time.perf_counter()
+    _finish_batch(engine, req_ids, finished)
+    engine.stats.finish_batch_times.append(time.perf_counter() - tb)
+    engine.stats.finish_batch_sizes.append(len(req_ids))
 
 
 def _finish_batch(engine, req_ids: list[str], finished: list) -> None:
