@@ -43,14 +43,15 @@ off)  # capture off, the ratios' reference (a fresh machine compiles for ~220 s 
 ab)
   source /tmp/gpu-env.sh
   run=$2; shift 2
-  for spec in "$@"; do  # new, old, or either with one variable for its server: new@ATTN_OTEL_AFTER_LAUNCH=0
+  for spec in "$@"; do  # new, old, or either with one attn-otel variable for its server: new@ATTN_OTEL_AFTER_LAUNCH=0
+    # (overhead.py --env: the phase clears every other ATTN_OTEL variable, so a plain environment one is lost)
     d=${spec%%@*}; var=""; [ "$spec" != "$d" ] && var=${spec#*@}
     name=$d${var:+-${var//[^A-Za-z0-9]/_}}
     dir=/tmp/ab/$name-$run
     mkdir -p "$dir" "$OUT/ab"; cp /tmp/ab/off/online-off.json "$dir/"
     pp=""; [ "$d" = old ] && pp="/tmp/old:"
-    env ${var:+"$var"} PYTHONPATH=$pp${PYTHONPATH:-} timeout $((225 + 20 * reps)) python3 bench/overhead.py \
-      --online default --capacity "$cap" --repeats "$reps" --out "$dir" \
+    PYTHONPATH=$pp${PYTHONPATH:-} timeout $((225 + 20 * reps)) python3 bench/overhead.py \
+      --online default ${var:+--env "$var"} --capacity "$cap" --repeats "$reps" --out "$dir" \
       > "$dir.log" 2>&1
     echo "$name rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
     cp "$dir/online-default.json" "$OUT/ab/online-default-$name-$run.json"
@@ -60,7 +61,8 @@ r = json.load(open(sys.argv[1]))
 c = r.get("capture", {})
 print(r.get("attn_otel"), {k: c.get(k) for k in (
     "finish_batch_sizes", "finish_batch_reasons", "empty_steps", "stream_spilled_blocks", "side_stream_waits",
-    "side_stream_wait_causes", "upload_ring_waits", "stream_flushes", "stream_flush_times", "step_host_s")})
+    "side_stream_wait_causes", "upload_ring_waits", "stream_flushes", "stream_flush_times", "step_host_s")},
+      r.get("env"))
 PY
   done
   ;;

@@ -86,6 +86,13 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              # the rows before it (run 22: the tail is per-step host work; the flushes' share is in the stats'
              # stream_flush_times)
              "default-rows16k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "16384"}}
+EXTRA_ENV: dict[str, str] = {}  # --env: one switch on top of every phase that captures (an A/B on one machine)
+
+
+def _phase_env(phase: str) -> dict[str, str]:
+    """A phase's attn-otel variables: its own, then --env's (not for off, which is the reference)."""
+    return {**PHASE_ENV[phase], **(EXTRA_ENV if PHASE_ENV[phase] else {})}
+
 
 
 def _model_dir() -> str:
@@ -167,7 +174,7 @@ def _run_workload(llm, name: str, maps_fraction: float, seed: int):
 def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-{phase}-"))
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
-    env = {"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), **PHASE_ENV[phase]}
+    env = {"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), **_phase_env(phase)}
     for k in [k for k in os.environ if k.startswith("ATTN_OTEL")]:
         os.environ.pop(k, None)
     kwargs = dict(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
@@ -190,8 +197,8 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
 
         kv_write = Config.from_env().kv_write
     gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
-    result = {"phase": phase, "model": MODEL[0], "device": torch.cuda.get_device_name(0), "gpu": gpu, "vllm_version": vllm.__version__,
-              "engine_start_s": start_s, "kv_cache_blocks": cache.num_gpu_blocks,
+    result = {"phase": phase, "model": MODEL[0], "device": torch.cuda.get_device_name(0), "gpu": gpu,
+              "vllm_version": vllm.__version__, "env": dict(EXTRA_ENV), "engine_start_s": start_s, "kv_cache_blocks": cache.num_gpu_blocks,
               "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
               "kv_write": kv_write}
@@ -218,7 +225,7 @@ def _profile_llm(phase: str, **kwargs):
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
     for k in [k for k in os.environ if k.startswith("ATTN_OTEL")]:
         os.environ.pop(k, None)
-    os.environ.update({"ATTN_OTEL_STORE": str(store), **PHASE_ENV[phase]})
+    os.environ.update({"ATTN_OTEL_STORE": str(store), **_phase_env(phase)})
     from vllm import LLM
 
     return LLM(model=_model_dir(), load_format="dummy", skip_tokenizer_init=True, max_model_len=8704,
@@ -302,7 +309,7 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-online-{phase}-"))
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-online-{phase}-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_OTEL")}
-    env.update({"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), **PHASE_ENV[phase]})
+    env.update({"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), **_phase_env(phase)})
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)
@@ -315,7 +322,7 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
                          text=True).stdout.strip()
     result = {"phase": phase, "engine_start_s": start_s, "runs": [], "device": gpu,
               "vllm_version": version("vllm"), "date": datetime.date.today().isoformat(),
-              "attn_otel": _attn_otel_origin(env)}
+              "attn_otel": _attn_otel_origin(env), "env": dict(EXTRA_ENV)}
     try:
         online.run_load(4.0, seed=98, n=16)  # warm-up: a light load (small batches)
         if CAPACITY[0]:
@@ -443,6 +450,9 @@ def main(argv=None) -> int:
                     help="the online workload for this configuration (run off first)")
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), default=[])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--env", action="append", default=[], metavar="ATTN_OTEL_X=V",
+                    help="an attn-otel variable on top of each phase's own (an A/B of one switch; the phases "
+                         "clear any other ATTN_OTEL variable)")
     ap.add_argument("--model", choices=list(MODELS), default="llama3-8b",
                     help="the model shape, dummy weights (give each model its own --out)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
@@ -461,6 +471,11 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     MODEL[0] = args.model
     CAPACITY[0] = args.capacity
+    for kv in args.env:
+        key, sep, value = kv.partition("=")
+        if not sep or not key.startswith("ATTN_OTEL_"):
+            ap.error(f"--env takes ATTN_OTEL_NAME=VALUE, not {kv!r}")
+        EXTRA_ENV[key] = value
     if args.engine_profile:
         engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0], args.stacks,
                        0.01 if args.maps else 0.0)

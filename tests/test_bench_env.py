@@ -1,0 +1,39 @@
+"""bench/overhead.py --env: one attn-otel switch on top of each capturing phase, so that an A/B of a switch
+(bench/online_ab.sh's ``new@ATTN_OTEL_X=V``) reaches the engine; the phases clear every other ATTN_OTEL variable,
+which is how session 40 found the first such A/B had measured the default twice."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import overhead  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    overhead.EXTRA_ENV.clear()
+    yield
+    overhead.EXTRA_ENV.clear()
+
+
+def test_a_switch_reaches_every_capturing_phase_but_not_the_reference(tmp_path):
+    assert overhead.main(["--env", "ATTN_OTEL_AFTER_LAUNCH=0", "--out", str(tmp_path)]) == 0
+    assert overhead._phase_env("default") == {"ATTN_OTEL": "1", "ATTN_OTEL_AFTER_LAUNCH": "0"}
+    assert overhead._phase_env("all")["ATTN_OTEL_AFTER_LAUNCH"] == "0"
+    assert overhead._phase_env("all")["ATTN_OTEL_LAYERS"] == "all"
+    assert overhead._phase_env("off") == {}  # the ratios' reference stays capture off
+
+
+def test_a_phase_keeps_its_own_variables_without_a_switch(tmp_path):
+    assert overhead.main(["--out", str(tmp_path)]) == 0
+    assert overhead._phase_env("default-nomaps") == {"ATTN_OTEL": "1", "ATTN_OTEL_MAPS_SAMPLE": "0"}
+
+
+@pytest.mark.parametrize("bad", ["AFTER_LAUNCH=0", "ATTN_OTEL_AFTER_LAUNCH", "VLLM_X=1"])
+def test_a_switch_that_is_not_an_attn_otel_assignment_is_refused(tmp_path, bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        overhead.main(["--env", bad, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "ATTN_OTEL_NAME=VALUE" in capsys.readouterr().err
+    assert overhead.EXTRA_ENV == {}
