@@ -37,6 +37,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -350,8 +351,10 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
 
 
 def _median(runs: list[dict], key: str) -> float | None:
-    vals = sorted(r[key] for r in runs if r.get(key) is not None)
-    return vals[len(vals) // 2] if vals else None
+    """The median of the runs' ``key`` (the mean of the middle two for an even count: the upper one alone,
+    which this took until session 40, biased 6-run references high)."""
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
 
 
 def report(out: Path, device: str | None = None, vllm_version: str | None = None) -> dict:

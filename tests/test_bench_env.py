@@ -37,3 +37,10 @@ def test_a_switch_that_is_not_an_attn_otel_assignment_is_refused(tmp_path, bad, 
     assert e.value.code == 2
     assert "ATTN_OTEL_NAME=VALUE" in capsys.readouterr().err
     assert overhead.EXTRA_ENV == {}
+
+
+def test_the_report_median_of_an_even_count_is_the_mean_of_the_middle_two():
+    runs = [{"x": v} for v in (4.0, 1.0, 3.0, 2.0)] + [{"x": None}, {}]
+    assert overhead._median(runs, "x") == 2.5
+    assert overhead._median(runs[:3], "x") == 3.0
+    assert overhead._median([{}], "x") is None
