@@ -13,6 +13,9 @@
 #   (a server's name may carry one variable for it: "ab 3 new@ATTN_OTEL_AFTER_LAUNCH=0 new" A/Bs a switch of
 #   this checkout, no old one needed)
 #
+# Then, here: the calls' ab/ files in one folder, and python3 bench/online_report.py --dir FOLDER --png FILE
+# (a row a server, each configuration's runs pooled and paired by seed, every run plotted).
+#
 # Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
 # 39.47, run 15's) sets the load (80% of it); REPEATS (default 3) the measured runs a server: the ITL p99 of one
 # run spreads by up to 20 ms at this load (runs 22-25), so more runs a server buy more than more servers.
@@ -67,6 +70,6 @@ PY
   done
   ;;
 *)
-  sed -n 2,16p "$0"; exit 2
+  sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2
   ;;
 esac

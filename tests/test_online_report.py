@@ -1,0 +1,109 @@
+"""bench/online_report.py: the online A/B's tables from its raw files, checked against NumPy on runs made up
+here, and against the figures the current report (docs/benchmarks/overhead.json) took from the same raw
+call; bad input is refused by name."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "online_report.py"
+sys.path.insert(0, str(ROOT / "bench"))
+import online_report  # noqa: E402
+
+KEYS = online_report.KEYS
+
+
+def _server(rng, n, scale=1.0, **extra):
+    runs = [{k: float(rng.uniform(0.5, 1.5) * scale) for k in KEYS} | {"slo_met": 1.0} for _ in range(n)]
+    return {"runs": runs, "device": "test device", **extra}
+
+
+def _write_ab(d: Path, rng, n=6):
+    d.mkdir()
+    servers = {"off": _server(rng, n)}
+    for name in ("new-ATTN_OTEL_AFTER_LAUNCH_0-1", "new-1", "new-2", "new-ATTN_OTEL_AFTER_LAUNCH_0-2"):
+        servers[name] = _server(rng, n, 1.1, capture={"step_times": {"p50": 0.001, "p90": 0.002, "p99": 0.004},
+                                                      "step_host_s": {"schedule": 1.0, "after_launch": 0.5},
+                                                      "captured": 10, "dropped": {"x": 1}})
+    (d / "online-off.json").write_text(json.dumps(servers["off"]))
+    for name, s in servers.items():
+        if name != "off":
+            (d / f"online-default-{name}.json").write_text(json.dumps(s))
+    return servers
+
+
+def test_ratios_pooled_and_paired_by_seed_are_numpys(tmp_path):
+    rng = np.random.default_rng(7)
+    servers = _write_ab(tmp_path / "ab", rng)
+    a = online_report.analyse(*online_report.from_dir(tmp_path / "ab"))
+    off = {k: np.array([r[k] for r in servers["off"]["runs"]]) for k in KEYS}
+    # servers in the order they ran: by the run number, then by name
+    assert [r["server"] for r in a["servers"]] == ["new-1", "new-ATTN_OTEL_AFTER_LAUNCH_0-1", "new-2",
+                                                   "new-ATTN_OTEL_AFTER_LAUNCH_0-2"]
+    assert set(a["configs"]) == {"new", "new-ATTN_OTEL_AFTER_LAUNCH_0"}
+    for cfg in a["configs"]:
+        mine = [servers[f"{cfg}-{i}"]["runs"] for i in (1, 2)]
+        for k in online_report.RATIO_KEYS:
+            pooled = np.array([r[k] for g in mine for r in g])
+            assert a["configs"][cfg]["ratio"][k] == pytest.approx(np.median(pooled) / np.median(off[k]), rel=1e-12)
+            paired = np.concatenate([np.array([r[k] for r in g]) / off[k] for g in mine])
+            assert a["configs"][cfg]["paired_ratio"][k] == pytest.approx(np.median(paired), rel=1e-12)
+    row = a["servers"][0]
+    assert row["ratio"]["itl_p99_s"] == pytest.approx(
+        np.median([r["itl_p99_s"] for r in servers["new-1"]["runs"]]) / np.median(off["itl_p99_s"]), rel=1e-12)
+    assert (row["host_before_s"], row["host_after_s"], row["dropped"]) == (1.0, 0.5, 1)
+
+
+def test_the_current_reports_online_figures_come_back_from_its_raw_call(tmp_path):
+    """overhead.json's online row is run 26b's two default servers pooled against its off."""
+    a = online_report.analyse(*online_report.from_collection(
+        ROOT / "docs" / "benchmarks" / "online-ab-2026-11-26.json", "26b"))
+    online = json.loads((ROOT / "docs" / "benchmarks" / "overhead.json").read_text())["workloads"]["online"]
+    got = a["configs"]["default"]["ratio"]
+    assert got["itl_p99_s"] == pytest.approx(online["itl_p99_ratio"], rel=1e-9)
+    assert got["ttft_p99_s"] == pytest.approx(online["ttft_p99_ratio"], rel=1e-9)
+    assert got["goodput_req_s"] == pytest.approx(online["goodput_req_ratio"]["default"], rel=1e-9)
+    assert a["configs"]["default"]["runs"] == 12 and a["configs"]["before"]["servers"] == 2
+    assert all(r["dropped"] == 0 and r["slo_met"] == 1.0 for r in a["servers"])
+
+
+def test_the_command_writes_tables_and_a_plot(tmp_path):
+    _write_ab(tmp_path / "ab", np.random.default_rng(1))
+    md, png = tmp_path / "t.md", tmp_path / "p.png"
+    subprocess.run([sys.executable, str(BENCH), "--dir", str(tmp_path / "ab"), "--md", str(md), "--png", str(png)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    text = md.read_text()
+    servers = [ln.split(" | ")[0][2:] for ln in text.splitlines() if re.match(r"\| new\S*-\d \| 6 \|", ln)]
+    assert servers == ["new-1", "new-ATTN_OTEL_AFTER_LAUNCH_0-1", "new-2", "new-ATTN_OTEL_AFTER_LAUNCH_0-2"]
+    assert "| off | 6 |" in text  # a row a server, then the pooled rows
+    assert "| new | 2, 12 |" in text and "| new-ATTN_OTEL_AFTER_LAUNCH_0 | 2, 12 |" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no-off", "no online-off.json"),
+    ("bad-name", "not online-default-NAME-RUN.json"),
+    ("more-runs", "cannot be paired by seed"),
+    ("no-key", "no call '99'"),
+])
+def test_bad_input_is_refused_by_name(tmp_path, case, message):
+    rng = np.random.default_rng(3)
+    d = tmp_path / "ab"
+    args = ["--dir", str(d)]
+    if case == "no-key":
+        args = ["--collection", str(ROOT / "docs" / "benchmarks" / "online-ab-2026-11-26.json"), "--key", "99"]
+    else:
+        _write_ab(d, rng)
+        if case == "no-off":
+            (d / "online-off.json").unlink()
+        elif case == "bad-name":
+            (d / "online-default-x.json").write_text("{}")
+        else:
+            (d / "online-default-new-3.json").write_text(json.dumps(_server(rng, 7)))
+    p = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
