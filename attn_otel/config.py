@@ -284,6 +284,10 @@ class Config:
     gil_switch_ms: float = 0.2
     finish_batch_steps: int = 16
     after_launch: bool = True
+    # where work after the launch runs (ATTN_OTEL_AFTER_LAUNCH): "execute", as vLLM's execute_model returns (the
+    # forward enqueued); "sample", after the step's sample_tokens (the sampler enqueued too); "output", after the
+    # engine core has taken the step's output (EngineCore.post_step), where that runs in this process
+    after_launch_at: str = "execute"
     kv_write: str = "fused"
     view_url: str | None = None
 
@@ -318,7 +322,9 @@ class Config:
         values["gil_switch_ms"] = _number(env, ATTN_OTEL_GIL_SWITCH_MS, d.gil_switch_ms, float, 0.0, 100.0)
         values["finish_batch_steps"] = _number(env, ATTN_OTEL_FINISH_BATCH_STEPS, d.finish_batch_steps, int, 0,
                                                1024)
-        values["after_launch"] = _choice(env, ATTN_OTEL_AFTER_LAUNCH, ("0", "1"), "1") == "1"
+        at = _choice(env, ATTN_OTEL_AFTER_LAUNCH, ("0", "1", "sample", "output"), "1")
+        values["after_launch"] = at != "0"
+        values["after_launch_at"] = {"0": "execute", "1": "execute"}.get(at, at)
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)

@@ -18,7 +18,8 @@ logger = logging.getLogger("attn_otel")
 # the parts of the engine loop's time in attn-otel (Stats.step_parts), before a forward: finished requests' token
 # ids and preempted requests' rows; finished requests' capture work, batched over steps (attn_otel.deferred: the
 # streamed layers' rows of them, then their captures); the step's tokens given rows; and after the forward's
-# launch, the work it does not wait for (ATTN_OTEL_AFTER_LAUNCH: finish batches, the flush at half the ring)
+# launch, the work it does not wait for (ATTN_OTEL_AFTER_LAUNCH: finish batches, the flush at half the ring; as
+# execute_model returns, after the sampler's launch, or after the step's output, counted in after_launch_at)
 STEP_PARTS = ("finished_rows", "captures", "schedule", "after_launch")
 
 
@@ -52,6 +53,9 @@ class Stats:
         # token while requests were still running (each takes the held batch as if the engine went idle)
         self.finish_batch_reasons: collections.Counter[str] = collections.Counter()
         self.empty_steps = 0
+        # where work after the launch ran, a count a time (ATTN_OTEL_AFTER_LAUNCH): "execute", "sample", "output",
+        # or "next_step" (left by a step whose hook did not come back: run before the next step's forward)
+        self.after_launch_at: collections.Counter[str] = collections.Counter()
 
     def add(self, field: str, n: int = 1, reason: str | None = None) -> None:
         with self._lock:
@@ -68,6 +72,7 @@ class Stats:
                                     "bytes_written": self.bytes_written,
                                     "finish_batch_reasons": dict(self.finish_batch_reasons),
                                     "empty_steps": self.empty_steps,
+                                    "after_launch_at": dict(self.after_launch_at),
                                     "step_host_s": {k: round(v, 4) for k, v in self.step_parts.items()}}
             if percentiles:
                 for name in ("latencies", "write_latencies", "loop_times", "step_times", "finish_batch_times",

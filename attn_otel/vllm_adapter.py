@@ -72,15 +72,18 @@ def _patch() -> None:
     _wrap(gpu_model_runner.GPUModelRunner, "initialize_kv_cache", _after_initialize_kv_cache)
     _wrap(gpu_model_runner.GPUModelRunner, "_update_states", _before_step)
     _wrap(gpu_model_runner.GPUModelRunner, "execute_model", _after_launch)
+    _wrap(gpu_model_runner.GPUModelRunner, "sample_tokens", _after_sample)
     try:  # vLLM 0.26's default GPU runner ("model runner V2"): requests finish in finish_requests.
         from vllm.v1.worker.gpu import model_runner as v2
 
         _wrap(v2.GPUModelRunner, "initialize_kv_cache", _after_initialize_kv_cache)
         _wrap(v2.GPUModelRunner, "finish_requests", _before_step)
         _wrap(v2.GPUModelRunner, "execute_model", _after_launch)
+        _wrap(v2.GPUModelRunner, "sample_tokens", _after_sample)
     except Exception:  # noqa: BLE001 - not in this build (the CPU build has no V2 runner)
         pass
     _patch_scheduler()
+    _patch_engine_core()
     if current_platform.is_cpu():
         # Imported only on CPU: the CPU runner's module replaces torch.cuda.Event process-wide.
         from vllm.v1.worker.cpu_worker import CPUWorker as worker_cls
@@ -145,6 +148,17 @@ _LENGTHS = "attn_otel_lengths"
 # Prefix of the marker ids the front end adds to an abort for requests it stopped on a stop string (NUL: no
 # request id from HTTP or the offline counter has one; an unpatched engine core ignores an unknown id).
 _STOP_MARK = "\x00attn-otel:stop\x00"
+
+
+def _patch_engine_core() -> None:
+    """``EngineCore.post_step``, which vLLM calls once the step's output is taken (queued for the front end):
+    work after the launch runs there with ``ATTN_OTEL_AFTER_LAUNCH=output`` (see :func:`_after_output`)."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except Exception:  # noqa: BLE001
+        return
+    if "post_step" in vars(EngineCore):
+        _wrap(EngineCore, "post_step", _after_output)
 
 
 def _patch_scheduler() -> None:
@@ -1137,20 +1151,62 @@ def _before_step(orig, runner, scheduler_output, *args, **kwargs):
 def _after_launch(orig, runner, *args, **kwargs):
     """vLLM's step (its forward launched, the device running it), then the capture work that forward does not
     wait for, left by :func:`_track` (ATTN_OTEL_AFTER_LAUNCH): the engine loop does it while the device runs
-    the forward, instead of before the launch."""
+    the forward, instead of before the launch.  With ``sample`` or ``output`` it waits for the step's
+    ``sample_tokens`` (which vLLM calls next where this left ``execute_model_state``), so that the sampler's
+    launch does not wait for it."""
     try:
         return orig(runner, *args, **kwargs)
     finally:
         engine = getattr(runner, "_attn_otel", None)
-        if engine is not None:
-            _run_after_launch(engine)
+        if engine is not None and not _later(engine, runner):
+            _run_after_launch(engine, "execute")
 
 
-def _run_after_launch(engine) -> None:
+def _later(engine, runner) -> bool:
+    """Whether this step's work after the launch waits past ``execute_model``: for the engine core's
+    ``post_step`` (``output``, where it runs in this process: it follows every step), or for ``sample_tokens``
+    (``sample``, or ``output`` without it here), which vLLM calls next only where execute_model left state
+    for it."""
+    at = engine.config.after_launch_at
+    if at == "output" and _ENGINE_CORE_HERE[0]:
+        return True
+    return at != "execute" and getattr(runner, "execute_model_state", None) is not None
+
+
+def _after_sample(orig, runner, *args, **kwargs):
+    """vLLM's ``sample_tokens`` (the step's sampler enqueued), then the work after the launch where it waits for
+    this (``sample``; ``output`` where no engine core of this process takes it, as in a multiprocess worker)."""
+    try:
+        return orig(runner, *args, **kwargs)
+    finally:
+        engine = getattr(runner, "_attn_otel", None)
+        if engine is not None and not (engine.config.after_launch_at == "output" and _ENGINE_CORE_HERE[0]):
+            _run_after_launch(engine, "sample")
+
+
+_ENGINE_CORE_HERE = [False]  # vLLM's engine core steps in this process (EngineCore.post_step was seen)
+
+
+def _after_output(orig, core, *args, **kwargs):
+    """``EngineCore.post_step``: the step's output is taken (the front end has it, or will as the output thread
+    sends it), then, with ``ATTN_OTEL_AFTER_LAUNCH=output``, the work after the launch of every capture engine
+    of this process: it then delays neither the forward nor the step's tokens, only the next step's
+    scheduling, while the device runs the step just launched."""
+    try:
+        return orig(core, *args, **kwargs)
+    finally:
+        _ENGINE_CORE_HERE[0] = True
+        for engine in list(_ENGINES):
+            if engine.config.after_launch_at == "output":
+                _run_after_launch(engine, "output")
+
+
+def _run_after_launch(engine, where: str) -> None:
     """The stream's flush at half the ring and the finish batch :func:`_track` left (if any).  Never raises."""
     stream, work = engine.stream, getattr(engine, "after_launch", None)
     if work is None and (stream is None or not stream.flush_due):
         return
+    engine.stats.add("after_launch_at", reason=where)
     t0 = time.perf_counter()
     try:
         if stream is not None:
@@ -1170,7 +1226,7 @@ def _track(runner, engine, so, t0: float) -> None:
 
     parts = engine.stats.step_parts  # engine-loop time by part (only this thread writes it)
     if getattr(engine, "after_launch", None) is not None:  # left by a step whose forward never returned here
-        _run_after_launch(engine)
+        _run_after_launch(engine, "next_step")
 
     tracker = engine.tracker
     stream = engine.stream

@@ -145,12 +145,22 @@ def test_blank_store_falls_back_to_the_default():
     ("ATTN_OTEL_SINK_TOKENS", "four", "sink_tokens"),
     ("ATTN_OTEL_STORE_TOKENS", "maybe", "store_tokens"),
     ("ATTN_OTEL_KV_WRITE", "both", "kv_write"),
+    ("ATTN_OTEL_AFTER_LAUNCH", "later", "after_launch_at"),
 ])
 def test_bad_value_warns_and_falls_back(caplog, name, value, field):
     with caplog.at_level(logging.WARNING, logger="attn_otel"):
         config = Config.from_env({name: value})
     assert getattr(config, field) == getattr(Config(), field)
     assert name in caplog.text
+
+
+@pytest.mark.parametrize("raw, on, at", [
+    ("0", False, "execute"), ("1", True, "execute"), (" Sample", True, "sample"), ("output", True, "output"),
+])
+def test_after_launch_says_whether_and_where(raw, on, at):
+    config = Config.from_env({"ATTN_OTEL_AFTER_LAUNCH": raw})
+    assert (config.after_launch, config.after_launch_at) == (on, at)
+    assert (Config().after_launch, Config().after_launch_at) == (True, "execute")  # the default
 
 
 def test_bad_value_leaves_the_other_variables_alone():

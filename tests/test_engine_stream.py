@@ -4,7 +4,8 @@ them streamed (computed while the requests run, their queries dropped), equal Nu
 The engine runs in its own process (``ATTN_OTEL_MAP_LAYERS`` is read when it starts, and the session's
 engine keeps maps of every layer).  Its settings make every path of attn_otel.stream run: chunked prefill
 in 64-token steps, a 64-row query ring (it fills every step of a prefill, and every 8 decode steps of 8
-requests), a prefix-cache hit, and a KV cache of 20 blocks of 32 tokens, too small for the 8 concurrent requests, so
+requests), the work after the launch run after each step's output (ATTN_OTEL_AFTER_LAUNCH=output), a
+prefix-cache hit, and a KV cache of 20 blocks of 32 tokens, too small for the 8 concurrent requests, so
 vLLM preempts and recomputes some of them.
 """
 
@@ -69,6 +70,7 @@ json.dump({"runs": runs, "preempted": len(preempted), "stats": snap, "streamed":
 def streamed_run(smollm2_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("stream")
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(d / "store"), "ATTN_OTEL_LAYERS": "all",
+           "ATTN_OTEL_AFTER_LAUNCH": "output",
            "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_STREAM_ROWS": "64", "ATTN_OTEL_MAPS_SAMPLE": "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "RESULT": str(d / "result.json"),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
@@ -92,8 +94,11 @@ def test_streamed_engine_ran_every_path(streamed_run):
     stats = res["stats"]
     assert stats["captured"] == len(res["runs"]) and stats["dropped"] == {}, stats
     assert stats["stream_ring_drifts"] == 0  # the device's ring-row counter kept to the host's count
-    # work no forward waited for ran after the forwards' launches (ATTN_OTEL_AFTER_LAUNCH, on by default)
+    # work no forward waited for ran after the forwards' launches, and (ATTN_OTEL_AFTER_LAUNCH=output) after the
+    # engine core took each step's output: elsewhere only before the first step's output was taken
     assert stats["step_host_s"]["after_launch"] > 0, stats["step_host_s"]
+    at = stats["after_launch_at"]
+    assert at.get("output", 0) > 0 and at.get("sample", 0) + at.get("execute", 0) <= 1, at
     # every batch of finished requests' work is timed (each generate() ends idle, which takes one at least)
     assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
     assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]

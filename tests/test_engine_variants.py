@@ -53,7 +53,10 @@ def served(request, tmp_path_factory):
     which = request.param
     tmp = tmp_path_factory.mktemp(which)
     model = BUILD[which](tmp / "model")
-    store, got, _ = serve(tmp, model, "--twins")
+    # gpt-oss runs its work after the launch after each step's sampler (ATTN_OTEL_AFTER_LAUNCH=sample), Gemma 2 as
+    # the forward is launched (the default): each is held to HF eager below all the same
+    env = {"ATTN_OTEL_AFTER_LAUNCH": "sample"} if which == "gptoss" else None
+    store, got, _ = serve(tmp, model, "--twins", env=env)
     assert got["kv_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"] or got["kv_groups"] == [
         "FullAttentionSpec", "SlidingWindowSpec"]  # vLLM's hybrid KV-cache manager: window blocks are freed
     return which, model, store, got
@@ -107,6 +110,17 @@ def bf16_attention(path: str, token_ids) -> np.ndarray:
 
 def stats(tv: np.ndarray) -> dict:
     return {"median": float(np.median(tv)), "p99": float(np.quantile(tv, 0.99)), "max": float(tv.max())}
+
+
+def test_work_after_the_launch_ran_where_it_was_asked_to(served):
+    which, _, _, got = served
+    at = got["after_launch_at"]
+    assert got["step_host_s"]["after_launch"] > 0, got["step_host_s"]
+    if which == "gptoss":  # after the sampler; as execute_model returns only where no sampler follows (the
+        # step that finds the engine idle after each generate() and takes the finished requests' batch)
+        assert at.get("sample", 0) > 0 and "output" not in at, at
+    else:
+        assert at.get("execute", 0) > 0 and "sample" not in at and "output" not in at, at
 
 
 def test_every_layer_is_captured_with_its_terms(served):

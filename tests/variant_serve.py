@@ -128,7 +128,8 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
                    "attention_impl": engine.attrs.get("attention_impl"), "layer_kinds": engine.attrs.get("layer_kinds"),
                    "prefix_caching": bool(kv.enable_prefix_caching),
                    "chunked_prefill": bool(llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill),
-                   "captured": stats["captured"], "dropped": stats["dropped"], "spec": drafts}, f)
+                   "captured": stats["captured"], "dropped": stats["dropped"], "spec": drafts,
+                   "after_launch_at": stats["after_launch_at"], "step_host_s": stats["step_host_s"]}, f)
 
 
 def _eager(ops: str | None) -> dict:
