@@ -63,45 +63,29 @@ def step(monkeypatch):
     return make
 
 
-def test_execute_runs_it_as_the_forward_returns(step):
-    engine, run = step("execute")
-    assert run() == ["execute", "flush", "sample", "output"]
-    assert engine.stats.after_launch_at == {"execute": 1}
+# (place, the step samples, an engine core steps in this process) -> vLLM's calls and the flush, in order
+ORDERS = [
+    ("execute", True, False, ["execute", "flush", "sample", "output"]),  # as the forward returns
+    ("execute", True, True, ["execute", "flush", "sample", "output"]),
+    ("sample", True, False, ["execute", "sample", "flush", "output"]),  # after the sampler
+    ("sample", True, True, ["execute", "sample", "flush", "output"]),
+    # execute_model left no execute_model_state (nothing to sample, a failed step): vLLM calls no sample_tokens
+    # with work for it, so waiting for one would hold the work to the next step's forward
+    ("sample", False, False, ["execute", "flush", "output"]),
+    ("output", True, True, ["execute", "sample", "output", "flush"]),  # after the engine core took the output
+    ("output", False, True, ["execute", "output", "flush"]),  # post_step follows every step, an empty one too
+    # a worker process of a multiprocess executor: no post_step comes to it, so it falls back to sample
+    ("output", True, False, ["execute", "sample", "flush", "output"]),
+    ("output", False, False, ["execute", "flush", "output"]),
+]
 
 
-def test_sample_runs_it_after_the_sampler(step):
-    engine, run = step("sample")
-    assert run() == ["execute", "sample", "flush", "output"]
-    assert run(core_here=True) == ["execute", "sample", "flush", "output"]
-    assert engine.stats.after_launch_at == {"sample": 2}
-
-
-def test_a_step_without_a_sampler_to_follow_runs_it_as_the_forward_returns(step):
-    """execute_model left no execute_model_state (nothing to sample, a failed step): vLLM calls no
-    sample_tokens with work for it, so waiting for one would hold the work to the next step's forward."""
-    engine, run = step("sample")
-    assert run(sampled_step=False) == ["execute", "flush", "output"]
-    assert engine.stats.after_launch_at == {"execute": 1}
-
-
-def test_output_runs_it_after_the_engine_core_took_the_steps_output(step):
-    engine, run = step("output")
-    assert run(core_here=True) == ["execute", "sample", "output", "flush"]
-    assert engine.stats.after_launch_at == {"output": 1}
-
-
-def test_output_waits_for_the_engine_cores_step_even_where_nothing_is_sampled(step):
-    """An empty step (finished requests only): post_step follows it as it follows every step."""
-    engine, run = step("output")
-    assert run(sampled_step=False, core_here=True) == ["execute", "output", "flush"]
-    assert engine.stats.after_launch_at == {"output": 1}
-
-
-def test_output_without_an_engine_core_here_runs_it_after_the_sampler(step):
-    """A worker process of a multiprocess executor: no post_step comes to it, so it falls back to sample."""
-    engine, run = step("output")
-    assert run(core_here=False) == ["execute", "sample", "flush", "output"]
-    assert engine.stats.after_launch_at == {"sample": 1}
+@pytest.mark.parametrize("at, sampled, core_here, order", ORDERS)
+def test_the_work_runs_where_it_is_asked_to_and_is_counted_there(step, at, sampled, core_here, order):
+    engine, run = step(at)
+    assert run(sampled_step=sampled, core_here=core_here) == order
+    where = order[order.index("flush") - 1]  # the call it ran after
+    assert engine.stats.after_launch_at == {where: 1}
 
 
 def test_nothing_due_is_not_counted(step):
