@@ -324,7 +324,7 @@ class Config:
                                                1024)
         at = _choice(env, ATTN_OTEL_AFTER_LAUNCH, ("0", "1", "sample", "output"), "1")
         values["after_launch"] = at != "0"
-        values["after_launch_at"] = {"0": "execute", "1": "execute"}.get(at, at)
+        values["after_launch_at"] = at if at in ("sample", "output") else "execute"
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)

@@ -1167,10 +1167,14 @@ def _later(engine, runner) -> bool:
     ``post_step`` (``output``, where it runs in this process: it follows every step), or for ``sample_tokens``
     (``sample``, or ``output`` without it here), which vLLM calls next only where execute_model left state
     for it."""
-    at = engine.config.after_launch_at
-    if at == "output" and _ENGINE_CORE_HERE[0]:
+    if _at_post_step(engine):
         return True
-    return at != "execute" and getattr(runner, "execute_model_state", None) is not None
+    return engine.config.after_launch_at != "execute" and getattr(runner, "execute_model_state", None) is not None
+
+
+def _at_post_step(engine) -> bool:
+    """``output``, with vLLM's engine core stepping in this process: :func:`_after_output` runs the work."""
+    return engine.config.after_launch_at == "output" and _ENGINE_CORE_HERE[0]
 
 
 def _after_sample(orig, runner, *args, **kwargs):
@@ -1180,7 +1184,7 @@ def _after_sample(orig, runner, *args, **kwargs):
         return orig(runner, *args, **kwargs)
     finally:
         engine = getattr(runner, "_attn_otel", None)
-        if engine is not None and not (engine.config.after_launch_at == "output" and _ENGINE_CORE_HERE[0]):
+        if engine is not None and not _at_post_step(engine):
             _run_after_launch(engine, "sample")
 
 

@@ -100,11 +100,9 @@ def analyse(off: dict, servers: list[tuple[str, dict]]) -> dict:
     pooled = {}
     for cfg, groups in by_config.items():
         runs = [r for g in groups for r in g]
-        paired = {}
-        for k in RATIO_KEYS:
-            if any(len(g) > len(off_runs) for g in groups):
-                raise ReportError(f"{cfg}: more runs than off's {len(off_runs)}: they cannot be paired by seed")
-            paired[k] = statistics.median(r[k] / o[k] for g in groups for r, o in zip(g, off_runs))
+        if any(len(g) > len(off_runs) for g in groups):
+            raise ReportError(f"{cfg}: more runs than off's {len(off_runs)}: they cannot be paired by seed")
+        paired = {k: statistics.median(r[k] / o[k] for g in groups for r, o in zip(g, off_runs)) for k in RATIO_KEYS}
         pooled[cfg] = {"servers": len(groups), "runs": len(runs),
                        "ratio": {k: statistics.median(r[k] for r in runs) / med[k] for k in RATIO_KEYS},
                        "paired_ratio": paired,

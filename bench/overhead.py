@@ -95,7 +95,6 @@ def _phase_env(phase: str) -> dict[str, str]:
     return {**PHASE_ENV[phase], **(EXTRA_ENV if PHASE_ENV[phase] else {})}
 
 
-
 def _model_dir() -> str:
     d = Path(tempfile.gettempdir()) / f"attn-otel-bench-{MODEL[0]}"
     d.mkdir(exist_ok=True)
@@ -199,8 +198,8 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
         kv_write = Config.from_env().kv_write
     gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
     result = {"phase": phase, "model": MODEL[0], "device": torch.cuda.get_device_name(0), "gpu": gpu,
-              "vllm_version": vllm.__version__, "env": dict(EXTRA_ENV), "engine_start_s": start_s, "kv_cache_blocks": cache.num_gpu_blocks,
-              "block_size": cache.block_size,
+              "vllm_version": vllm.__version__, "env": dict(EXTRA_ENV), "engine_start_s": start_s,
+              "kv_cache_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
               "kv_write": kv_write}
     for wl in wls:
