@@ -40,8 +40,15 @@ otherwise :data:`AUTO_LAYERS` of them, evenly spaced.  A maps capture covers the
 ATTN_OTEL_STREAM_ROWS = "ATTN_OTEL_STREAM_ROWS"
 """Rows of the streamed layers' query ring (see ``ATTN_OTEL_MAP_LAYERS``): queries wait there until their
 metrics are computed, in batches, when the ring fills or their request finishes.  ``0`` (default): 8192.
-Never fewer than vLLM's ``max_num_batched_tokens``, so that one step's tokens always fit.  Costs ``rows * num_q_heads * head_dim *
+Never fewer than one step's ring tokens: vLLM's ``max_num_seqs`` (times 1 + the speculative tokens) with
+direct rows (``ATTN_OTEL_STREAM_DIRECT``), else ``max_num_batched_tokens``.  Costs ``rows * num_q_heads * head_dim *
 dtype_bytes`` per streamed layer, taken from the KV cache budget."""
+
+ATTN_OTEL_STREAM_DIRECT = "ATTN_OTEL_STREAM_DIRECT"
+"""``1`` (default): a streamed layer computes a prefill chunk's rows in the forward, right after its attention,
+from the forward's own queries, so that the query ring holds decode tokens only and is sized by
+``max_num_seqs`` (times 1 + the speculative tokens), not by ``max_num_batched_tokens``; ``0``: every token
+goes through the ring.  Off by itself where vLLM runs mixed batches as full CUDA graphs."""
 
 ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
 """Fraction in [0, 1] of traces whose full maps are stored (decided per trace id, so every request of a
@@ -268,6 +275,7 @@ class Config:
     layers: str | tuple[int, ...] = "auto"
     map_layers: str | tuple[int, ...] = "auto"
     stream_rows: int = 0
+    stream_direct: bool = True
     maps_sample: float = 0.01
     max_map_tokens: int = 8192
     map_tap_tokens: int = 0
@@ -306,6 +314,7 @@ class Config:
                 except ValueError as e:
                     _warn(name, raw, str(e), getattr(d, field))
         values["stream_rows"] = _number(env, ATTN_OTEL_STREAM_ROWS, d.stream_rows, int, 0, 1 << 24)
+        values["stream_direct"] = _choice(env, ATTN_OTEL_STREAM_DIRECT, ("0", "1"), "1") == "1"
         values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
         values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)
         values["map_tap_tokens"] = _number(env, ATTN_OTEL_MAP_TAP_TOKENS, d.map_tap_tokens, int, 0, None)

@@ -65,6 +65,19 @@ class _Live:
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
 
 
+@dataclasses.dataclass
+class _Plan:
+    """This step's direct rows (:meth:`MetricsStream.direct`): the requests, their rows' key slots, and what
+    the kernel reads, uploaded before the forward."""
+
+    items: list  # (live, first position, count)
+    head: int  # the ring's row count before this step (MetricsStream._head)
+    slots: torch.Tensor  # the direct rows' key slots, on the device
+    args: tuple  # the flush kernel's arguments for them (FlushKernels.run_fused / run_torch)
+    used: bool = False  # the forward's first streamed layer took it (else it ran as a CUDA graph: see _settle)
+    queries: dict = dataclasses.field(default_factory=dict)  # layer -> the forward's queries, until direct()
+
+
 def _prompt_and_vision(tracked: Sequence[Any], ends: np.ndarray, firsts: list[int], counts: list[int]):
     """A flush's per-request terms: each request's prompt length within its ``ends[b]`` keys, and, where some
     request has vision positions, per request its keys' vision mask and its pending rows' running vision count
@@ -323,6 +336,13 @@ class MetricsStream:
         self._inflight: list[tuple[int, int]] = []
         self.defer_flush = False  # the flush at half the ring waits for after_launch (ATTN_OTEL_AFTER_LAUNCH)
         self.flush_due = False
+        # Direct rows (ATTN_OTEL_STREAM_DIRECT): a request's chunk of more than ``direct_min`` tokens with nothing
+        # pending (a prefill chunk) is computed in the forward, layer by layer (:meth:`direct`), not through the
+        # ring, which then holds decode tokens only.  None: off (the adapter sets it where the chunk's forward
+        # runs its attention eagerly: never in a CUDA graph).
+        self.direct_min: int | None = None
+        self._plan: _Plan | None = None
+        self.direct_rows = self.direct_steps = self.direct_replayed = 0
         self._writer = np.full(-(-S // self.block_size), -1, dtype=np.int64)
         self._live: dict[str, _Live] = {}
         self._by_idx: dict[int, str] = {}
@@ -388,6 +408,15 @@ class MetricsStream:
         # layer); padded tokens (slot -1) go to the ring's padding row.
         tap = self.k_tap.get(layer)
         li = self.pos[layer]
+        plan = self._plan
+        if plan is not None and li == 0 and not plan.used and not _capturing(self.device):
+            self._direct_index(slot_mapping, plan)
+        if plan is not None and plan.used:  # a step with direct rows: the ring takes the other tokens only
+            triton_metrics.scatter_rows(self.q[li], query, self._ring_index, self.rows)
+            plan.queries[layer] = query
+            if tap is not None:
+                triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots)
+            return False  # the cache's own write, then direct() once the layer's keys are in it
         if li == 0:
             triton_metrics.ring_advance(slot_mapping, self.head, self.base, self.rows)
         done = triton_metrics.scatter_rows(self.q[li], query, slot_mapping, self.rows, table=self.ring_of_slot,
@@ -396,6 +425,88 @@ class MetricsStream:
             triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots)
             return False
         return done and kv is not None
+
+    def _direct_index(self, slot_mapping: torch.Tensor, plan: "_Plan") -> None:
+        """The first streamed layer of a forward with direct rows (graph-unsafe: eager forwards only): which of
+        its tokens are direct (their slots are the plan's), each direct token's query row (its index in the
+        forward) and every other token's ring row in order from the row counter, both in the slot -> row
+        table, and the ring index the layers scatter by (direct and padded tokens: the padding row)."""
+        S, R = self.num_slots, self.rows
+        n = slot_mapping.shape[0]
+        sm = slot_mapping.to(torch.int64)
+        at = torch.where(sm >= 0, sm, S)  # padded tokens: the table's padding entry
+        table = self.ring_of_slot
+        table.index_fill_(0, plan.slots, -2)
+        direct = table.index_select(0, at) == -2
+        t = torch.arange(n, device=sm.device)
+        table.scatter_(0, torch.where(direct, at, S), torch.where(direct, t, R))
+        ring = torch.where(direct, -1, sm)
+        triton_metrics.ring_advance(ring, self.head, self.base, R)
+        keep = ring >= 0
+        rows = torch.where(keep, (self.base + torch.cumsum(keep, 0) - 1) % R, -1)
+        table.scatter_(0, torch.where(keep, at, S), torch.where(keep, rows, R))
+        # a planned slot the forward did not have (never, with a right plan) reads query row 0, not out of bounds
+        table.index_copy_(0, plan.slots, table.index_select(0, plan.slots).clamp_min(0))
+        self._ring_index = rows
+        plan.used = True
+
+    def direct(self, layer: int) -> None:
+        """After ``layer``'s attention has written this forward's keys to the cache (or :meth:`write` to the
+        K-only tap): the direct rows of that layer, from the forward's own queries, into the per-slot buffer.
+        Enqueued on the engine's stream, in the forward (eager steps only)."""
+        plan = self._plan
+        if plan is None or not plan.used:
+            return
+        q = plan.queries.pop(layer, None)
+        if q is None:
+            return
+        spec = self.layers[self.pos[layer]]
+        if q.dim() == 2:
+            q = q.unflatten(1, (spec.num_heads, spec.head_dim))
+        if q.stride(-1) != 1 or q.dtype != self.q.dtype:
+            q = q.to(self.q.dtype).contiguous()
+        self.kernels.run_direct(self.pos[layer], q, plan.args, self.ring_of_slot, plan.slots)
+
+    def _make_plan(self, items: list, head: int) -> "_Plan":
+        """This step's direct rows: the key slots and terms of each request's chunk, uploaded in one copy."""
+        lives = [lv for lv, _, _ in items]
+        firsts = np.asarray([st for _, st, _ in items], dtype=np.int64)
+        cnt = np.asarray([n for _, _, n in items], dtype=np.int64)
+        ends = firsts + cnt
+        ks_flat, cu_k = slots_many([lv.tracked.block_ids[self.group] for lv in lives], self.block_size, ends)
+        n = int(cnt.sum())
+        starts = np.zeros(len(items), dtype=np.int64)
+        np.cumsum(cnt[:-1], out=starts[1:])
+        row_slots = ks_flat[np.repeat(cu_k[1:] - cnt - starts, cnt) + np.arange(n)]
+        counts, first_l = cnt.tolist(), firsts.tolist()
+        prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends, first_l, counts)
+        if self.kernels.fused:
+            *args, slots = self.kernels.upload(first_l, counts, ks_flat, cu_k, prompt, vm_parts, vc_parts,
+                                               extra=[row_slots.astype(np.int64)])
+            args = (*args, max(counts))
+        else:
+            slots = torch.from_numpy(row_slots.astype(np.int64)).to(self.device)
+            args = (first_l, counts, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)
+        return _Plan(items, head, slots, tuple(args))
+
+    def _settle(self) -> None:
+        """The last step's plan, once its forward was launched: counted if its first streamed layer took it;
+        else that forward ran as a CUDA graph (which writes every token to the ring), and its direct rows are
+        pending ring rows like any other."""
+        plan, self._plan = self._plan, None
+        if plan is None:
+            return
+        if plan.used:
+            self.direct_steps += 1
+            self.direct_rows += sum(n for _, _, n in plan.items)
+            return
+        self.direct_replayed += 1
+        for live, _, n in plan.items:
+            if live.count == 0:
+                live.lo = plan.head
+            live.count += n
+        self._head += sum(n for _, _, n in plan.items)
+        self._oldest = plan.head if self._oldest is None else min(self._oldest, plan.head)
 
     # ------------------------------------------------------------------ engine loop, before a forward
     def schedule(self, items: Iterable[tuple[str, Any, int, int]], total: int | None = None) -> None:
@@ -410,6 +521,7 @@ class MetricsStream:
             self.host_s += time.perf_counter() - t0
 
     def _schedule(self, items: list, total: int | None) -> None:
+        self._settle()
         self._drift += self.counter.poll(self._head)
         if abs(self._drift) >= self.rows // 4:  # pending rows may have been written over: not computed
             logger.warning("attn-otel: the query ring's row counter drifted %d rows from the host's count of the "
@@ -443,6 +555,18 @@ class MetricsStream:
                     writer[blocks[b]] = live.idx
         if stale:
             self.flush(stale)
+        # A chunk longer than a decode step's with nothing pending before it (a prefill chunk) is computed in
+        # the forward (direct), and takes no ring rows: the device finds its tokens by the plan's slots.
+        direct = []
+        if self.direct_min is not None:
+            direct = [it for it in lives if it[2] > self.direct_min and it[0].count == 0 and not it[0].lost]
+        if direct:
+            self._plan = self._make_plan(direct, head)
+            ids = {id(it) for it in direct}
+            lives = [it for it in lives if id(it) not in ids]
+            total -= sum(n for _, _, n in direct)
+            for live, start, n in direct:
+                live.next = start + n
         # Flush everything pending at half the ring, so the steps after it have rows while it runs beside their
         # forwards: after this forward's launch (after_launch) where ``defer_flush``, unless the forward writes
         # over a pending row (those before ``head + total - rows``), then now.
@@ -467,6 +591,7 @@ class MetricsStream:
 
     def after_launch(self) -> None:
         """After the forward :meth:`schedule` counted is launched: the flush at half the ring it left for now."""
+        self._settle()
         if self.flush_due:
             self._flush_all()
 
@@ -478,6 +603,7 @@ class MetricsStream:
     def finish(self, req_ids: Iterable[str]) -> None:
         """Before finished requests' blocks can be reused: compute their pending rows and those of any live
         request that owns a pending row in their slots (a shared prefix)."""
+        self._settle()
         todo: dict[int, _Live] = {}
         for r in req_ids:
             live = self._live.get(r)
@@ -497,6 +623,7 @@ class MetricsStream:
 
     def preempt(self, req_ids: Iterable[str]) -> None:
         """Preempted requests' blocks are freed this step: compute their pending rows now."""
+        self._settle()
         self.flush([self._live[r] for r in req_ids if r in self._live])
 
     def lost(self, req_id: str) -> bool:
@@ -563,6 +690,10 @@ class MetricsStream:
 
 
 _NORM = METRICS.index("entropy_norm")
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def full_rows(kept: torch.Tensor, full_at: torch.Tensor, width: int, positions: torch.Tensor, window: torch.Tensor,
@@ -640,19 +771,13 @@ class FlushKernels:
         """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``);
         its pending rows are its last ``counts[b]`` positions, whose ring rows the kernel reads from ``table``
         (slot -> ring row, on the device) at their slots."""
-        cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)
-        cu_rows[1:] = np.cumsum(counts)
-        cu_keys = np.asarray(cu_keys, dtype=np.int32)
         timed = self.device.type == "cuda"
         if timed:
             self._poll_timing()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-        host = [cu_rows, np.asarray(firsts, dtype=np.int32), key_slots, cu_keys, np.asarray(prompt, dtype=np.int32)]
-        if vm_parts is not None:
-            host += [np.concatenate(vm_parts).astype(np.float32), np.concatenate(vc_parts).astype(np.float32)]
-        cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, *vis = upload_many(host, self.device)  # one copy
-        vm_d, vc_d = vis if vis and self.vision else (None, None)  # (a text model keeps no vision rows)
+        cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, vm_d, vc_d = self.upload(
+            firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts)
         if self._layered is not None:  # every layer in one launch
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
@@ -671,15 +796,46 @@ class FlushKernels:
             end.record()
             self._timing.append((start, end))
 
+    def upload(self, firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts, extra=()) -> list:
+        """A launch's per-request arrays on the device, in one copy: cu_rows, firsts, key slots, cu_keys, prompt
+        lengths, the vision mask and counts (None, None for a text model or no vision key), then ``extra``."""
+        cu_rows = np.zeros(len(counts) + 1, dtype=np.int32)
+        cu_rows[1:] = np.cumsum(counts)
+        host = [cu_rows, np.asarray(firsts, dtype=np.int32), key_slots, np.asarray(cu_keys, dtype=np.int32),
+                np.asarray(prompt, dtype=np.int32), *extra]
+        vision = vm_parts is not None
+        if vision:
+            host += [np.concatenate(vm_parts).astype(np.float32), np.concatenate(vc_parts).astype(np.float32)]
+        got = upload_many(host, self.device)  # one copy
+        vis = got[len(host) - 2:] if vision and self.vision else [None, None]  # (a text model keeps no vision rows)
+        return [*got[:5], *vis, *got[5:5 + len(extra)]]
+
+    def run_direct(self, li: int, q: torch.Tensor, args: tuple, table: torch.Tensor, slots: torch.Tensor) -> None:
+        """Layer ``li``'s rows of a step's direct chunks (MetricsStream._make_plan's ``args``), their queries
+        rows of ``q [n, Hq, D]`` (the forward's own) found by ``table`` at their key ``slots``."""
+        spec = self.layers[li]
+        if self.fused:
+            cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, vm_d, vc_d, max_rows = args
+            triton_metrics.row_metrics_stream(
+                q, None, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d, max_rows,
+                spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li],
+                terms=triton_metrics.terms([spec], self.device), rows=self.rows, row_table=table)
+            return
+        firsts, counts, starts, key_slots, prompt, vm_parts = args
+        rows = table.index_select(0, slots).cpu().numpy()
+        self.run_torch(firsts, counts, rows, starts, key_slots, prompt, vm_parts, source=q, layers=[spec])
+
     def _poll_timing(self) -> None:
         """Device time of the flushes (CUDA events, read once they completed: never a sync)."""
         while self._timing and self._timing[0][1].query():
             a, b = self._timing.pop(0)
             self.device_s += a.elapsed_time(b) / 1000.0
 
-    def run_torch(self, firsts, counts, rows_np, starts, key_slots, prompt, vm_parts) -> None:
+    def run_torch(self, firsts, counts, rows_np, starts, key_slots, prompt, vm_parts, source=None,
+                  layers=None) -> None:
         """The same rows through the torch reference (CPU builds): a query tensor of the request's length with
-        only the pending rows filled, metrics from the first pending row on."""
+        only the pending rows filled, metrics from the first pending row on.  ``source``: the rows' queries
+        come from it (``[n, Hq, D]``, one layer's: a forward's) instead of the ring, for ``layers`` only."""
         for b in range(len(firsts)):
             a, n = firsts[b], counts[b]
             end = a + n
@@ -690,11 +846,12 @@ class FlushKernels:
                 vm = torch.from_numpy(vm_parts[b]).to(self.device)
             out_slots = ks[a:end]
             q = torch.zeros((end,) + tuple(self.q.shape[2:]), dtype=self.q.dtype, device=self.device)
-            for spec in self.layers:
+            for spec in self.layers if layers is None else layers:
                 li = self.pos[spec.index]
                 kc = self.keys[spec.index]
                 k = kc[ks // kc.shape[1], ks % kc.shape[1]]
-                q[a:end] = self.q[li].index_select(0, rows)  # rows before a are never read
+                src = self.q[li] if source is None else source
+                q[a:end] = src.index_select(0, rows).to(q.dtype)  # rows before a are never read
                 res = attention_metrics(q, k, spec.scale, prompt[b], self.sink_tokens, vm, start=a,
                                         **spec.terms(self.device))
                 rows_m = res[self._rows_idx, :, a:end]  # the metrics the buffer keeps (slot_rows)

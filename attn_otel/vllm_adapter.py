@@ -728,9 +728,29 @@ def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = N
                            "Q/K tap", [s.index for s in odd], first.index)
             streamed = [s for s in streamed if s not in odd]
     from_cache = bool(streamed) and _keys_from_cache([layers[s.name] for s in streamed], runner.device.type)
-    step = int(runner.vllm_config.scheduler_config.max_num_batched_tokens)
-    rows = max(config.stream_rows or DEFAULT_ROWS, step)  # one step's tokens always fit the ring
+    sched = runner.vllm_config.scheduler_config
+    direct = _direct_min(runner, config)
+    # one step's ring tokens always fit: every token of the step, or with direct rows its decode tokens
+    step = (int(sched.max_num_seqs) * direct if direct is not None else int(sched.max_num_batched_tokens))
+    rows = max(config.stream_rows or DEFAULT_ROWS, step)
     return maps, streamed, from_cache, rows
+
+
+def _direct_min(runner, config) -> int | None:
+    """The tokens of a decode step's chunk (1, or 1 + the speculative tokens), beyond which a chunk's rows are
+    computed in the forward (ATTN_OTEL_STREAM_DIRECT); None where off, or where a forward with a prefill chunk
+    may run as one CUDA graph (cudagraph mode FULL for mixed batches), whose taps cannot take a step's plan."""
+    if not config.stream_direct:
+        return None
+    vc = runner.vllm_config
+    try:
+        mode = vc.compilation_config.cudagraph_mode
+        if mode is not None and mode.mixed_mode().name == "FULL":
+            return None
+    except Exception:  # noqa: BLE001  (a build without cudagraph modes: eager)
+        pass
+    spec = getattr(vc, "speculative_config", None)
+    return 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 1
 
 
 def _takes_images(runner) -> bool:
@@ -856,6 +876,7 @@ def _install(runner, kv_cache_config) -> None:
         stream = MetricsStream(streamed, num_slots, rows, dtype, runner.device, block_sizes[streamed[0].group],
                                config.sink_tokens, keys, vision=_takes_images(runner), spill_slots=spill)
         stream.defer_flush = config.after_launch  # its flush at half the ring after the forward's launch
+        stream.direct_min = _direct_min(runner, config)  # prefill chunks' rows in the forward
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
@@ -954,6 +975,7 @@ def _tap_layer(engine, spec, layer) -> bool:
     owed: list = []  # the arguments of a do_kv_cache_update that left its write to the forward
 
     checked = maptap is not None and index in maptap.out
+    direct = tap is engine.stream  # a streamed layer: a step's prefill rows are computed after its attention
     # where this tap keeps the layer's keys itself (not read from vLLM's cache): an fp8 cache's values of them
     keeps_keys = spec.index not in engine.streamed or spec.index in engine.stream.k_tap
     quantise = _fp8_rounding(layer, engine.tap.dtype, "k") if keeps_keys else None
@@ -994,6 +1016,8 @@ def _tap_layer(engine, spec, layer) -> bool:
         if update is not None and not wrote:  # vLLM's own write, before the attention reads the cache
             orig_update(*update)
         result = orig(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        if direct and slot_mapping is not None:
+            _direct_rows(engine, tap, index, name)
         if checked and attn_metadata is not None and slot_mapping is not None:
             _keep_output(engine, maptap, spec, result, args, kwargs, slot_mapping)
         return result
@@ -1049,6 +1073,16 @@ def _keep_output(engine, maptap, spec, result, args, kwargs, slot_mapping) -> No
         engine.warn_once("verify", "keeping the attention output of %s failed", spec.name, exc=True)
 
 
+def _direct_rows(engine, stream, index: int, name: str) -> None:
+    """A streamed layer's direct rows of this forward (attn_otel.stream.MetricsStream.direct), after its
+    attention: its keys are in the cache then.  Never raises."""
+    try:
+        stream.direct(index)
+    except Exception:  # noqa: BLE001
+        engine.warn_once("direct", "direct rows of %s failed; its captures will be wrong or dropped", name,
+                         exc=True)
+
+
 def _tap_mla_layer(engine, spec, layer) -> bool:
     """Wrap an MLA layer's ``forward_impl`` (what vLLM's attention op calls, after its latent-cache write) so
     that each forward keeps its queries, absorbed as vLLM's decode path absorbs them: ``[q_nope W_UK^T | q_pe]``
@@ -1091,6 +1125,8 @@ def _tap_mla_layer(engine, spec, layer) -> bool:
                 engine.warn_once("tap", "query tap of MLA layer %s failed; its captures will be wrong or dropped",
                                  name, exc=True)
         result = orig(q, k_c_normed, k_pe, kv_cache, attn_metadata, *args, **kwargs)
+        if tap is engine.stream and slot_mapping is not None:
+            _direct_rows(engine, tap, index, name)
         if checked and attn_metadata is not None and slot_mapping is not None:  # MLA: the output after W_UV
             _keep_output(engine, maptap, spec, result, args, kwargs, slot_mapping)
         return result

@@ -90,8 +90,12 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert res["ring_rows"] == 64
     assert res["preempted"] > 0, "the 20-block cache was meant to force preemptions"
     assert any(r["cached"] >= 128 for r in res["runs"]), "the second prompt was meant to hit the prefix cache"
-    assert res["flushes"] > 20 and res["pending"] == 0
+    assert res["flushes"] > 10 and res["pending"] == 0
     stats = res["stats"]
+    # prefill chunks' rows computed in the forward (ATTN_OTEL_STREAM_DIRECT, the default), decode rows through
+    # the ring; on the CPU build every forward is eager, so no plan was left to a CUDA graph
+    assert stats["stream_direct_rows"] > 0 and stats["stream_direct_steps"] > 0, stats
+    assert stats["stream_direct_replayed"] == 0
     assert stats["captured"] == len(res["runs"]) and stats["dropped"] == {}, stats
     assert stats["stream_ring_drifts"] == 0  # the device's ring-row counter kept to the host's count
     # work no forward waited for ran after the forwards' launches, and (ATTN_OTEL_AFTER_LAUNCH=output) after the

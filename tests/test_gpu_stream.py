@@ -1,7 +1,8 @@
 """Streamed layers on an NVIDIA GPU with the CUDA vLLM in its default serving config (FLASH_ATTN,
 FULL_AND_PIECEWISE CUDA graphs, chunked prefill, prefix caching): layer 0 is the map layer (Q/K tap), layers
-1-3 are streamed, their keys read from vLLM's own KV cache, their queries through a 256-row ring written
-inside the CUDA graphs.  Through chunked prefill, a prefix-cache hit and preemptions (a 96-block KV cache
+1-3 are streamed, their keys read from vLLM's own KV cache, their decode queries through a 256-row ring written
+inside the CUDA graphs, their prefill chunks' rows computed in the forward (ATTN_OTEL_STREAM_DIRECT=0: every
+query through the ring).  Through chunked prefill, a prefix-cache hit and preemptions (a 96-block KV cache
 for 16 concurrent requests), every layer's metrics equal NumPy's on HF eager fp32 attention, within FACTOR x
 HF bf16's own drift on the same values + a floor (tests/reference.py): per row (ATTN_OTEL_GPU_ROWS=all, rows
 stored for every capture) or, by default, as the summary computed on the device at finish (the production path: ATTN_OTEL_ROW_METRICS=maps stores no rows for metrics captures).
@@ -34,7 +35,7 @@ def stream_engine(gpu_model, tmp_path_factory):  # noqa: F811
 
     preempted = count_preemptions()
     llm = LLM(model=gpu_model, skip_tokenizer_init=True, max_model_len=1024, max_num_batched_tokens=256,
-              gpu_memory_utilization=0.3, num_gpu_blocks_override=96, seed=0)
+              max_num_seqs=32, gpu_memory_utilization=0.3, num_gpu_blocks_override=96, seed=0)
     return llm, store, preempted
 
 
@@ -118,6 +119,11 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
     assert results["prefix_cached_tokens"] >= 200
     assert results["preemptions"] > 0, "the 96-block cache was meant to force preemptions"
     assert results["stream_flushes"] > 10
+    if os.environ.get("ATTN_OTEL_STREAM_DIRECT", "1") == "1":  # prefill chunks' rows in the forward, after each
+        # streamed layer's attention (PIECEWISE: eager there), decode rows through the ring written in the graphs
+        assert stats["stream_direct_rows"] > 0 and stats["stream_direct_replayed"] == 0, stats
+    else:
+        assert stats["stream_direct_rows"] == 0, stats
     assert rows.err or summaries.err
     if rows.err:
         rows.check("GPU streamed layers, per-row metrics")

@@ -46,7 +46,8 @@ class Toy:
     FLASH_ATTN's ``(blocks, Hkv, BS, K|V)`` tensor, as vllm_adapter._key_cache_view takes it), and a stream."""
 
     def __init__(self, rows: int, num_blocks: int = 64, keys_in_cache: bool = True, seed: int = 0,
-                 device: str = "cpu", slow: bool = False, spill: int = 0, defer_flush: bool = False):
+                 device: str = "cpu", slow: bool = False, spill: int = 0, defer_flush: bool = False,
+                 direct: bool = False):
         self.g = torch.Generator().manual_seed(seed)
         self.num_blocks = num_blocks
         self.device = device
@@ -64,6 +65,7 @@ class Toy:
         self.free = list(range(num_blocks))[::-1]
         self.slow = slow  # GPU: every step's capture work starts behind a sleep, far behind the forwards
         self.stream.defer_flush = defer_flush  # the flush at half the ring after the forward, as the adapter does
+        self.stream.direct_min = 1 if direct else None  # prefill chunks' rows in the forward (vllm_adapter)
         self.flushed_before = self.flushed_after = 0  # half-ring flushes in schedule / after the forward
 
     def new(self, rid, T, prompt_len, share=None, vision=None):
@@ -86,11 +88,12 @@ class Toy:
         self.q[rid], self.k[rid] = q, k
         return self.t[rid]
 
-    def step(self, chunks, finished=(), preempted=(), uncaptured=(), uncounted=()):
+    def step(self, chunks, finished=(), preempted=(), uncaptured=(), uncounted=(), replay=False):
         """One engine step as the adapter runs it: preempted and finished first, then this step's tokens
         (``(rid, start, n)``) scheduled and "forwarded"; ``uncaptured`` chunks are forwarded too (first), but
         only counted in the step's total, as a request attn-otel does not follow; ``uncounted`` chunks are
-        forwarded and not even counted (tokens no scheduler output announced)."""
+        forwarded and not even counted (tokens no scheduler output announced).  ``replay``: the forward runs as
+        a CUDA graph would, its taps as captured, never seeing the step's direct plan."""
         side = self.stream.side
         if self.slow and side.stream is not None:
             with side.context():
@@ -125,6 +128,9 @@ class Toy:
             for s in LAYERS:
                 qs[s.index].append(self.q[rid][s.index][start:start + n])
                 ks[s.index].append(self.k[rid][s.index][start:start + n])
+        plan = self.stream._plan
+        if replay:
+            self.stream._plan = None
         if chunks:
             slots = torch.from_numpy(np.concatenate(slot_list + [np.full(3, -1)])).to(self.device)
             for s in LAYERS:
@@ -138,10 +144,13 @@ class Toy:
                     real = slots >= 0
                     assert torch.equal(self.values[s.index][slots[real] // BS, slots[real] % BS], -k[real])
                 else:
-                    assert self.device == "cpu" or not self.keys_in_cache
+                    assert self.device == "cpu" or not self.keys_in_cache or self.stream._plan is not None
                     real = slots >= 0
                     c = self.cache[s.index]
                     c[slots[real] // BS, slots[real] % BS] = k[real]
+                self.stream.direct(s.index)  # after the layer's attention, as the adapter's forward calls it
+        if replay:
+            self.stream._plan = plan
         n0 = self.stream.flushes
         self.stream.after_launch()  # the forward is enqueued: what it did not wait for (vllm_adapter._after_launch)
         self.flushed_after += self.stream.flushes - n0
@@ -195,6 +204,35 @@ def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache
     # every token took one ring row, in order: the device counter and the host's count agree
     assert toy.stream._head == 3 * 9 + 13 + 7 + 21 and int(toy.stream.head) == toy.stream._head % rows
     assert toy.stream.counter.drifts == 0
+
+
+@pytest.mark.parametrize("rows, keys_in_cache", [(16, True), (1000, True), (16, False)])
+def test_direct_rows_equal_the_reference_and_take_no_ring_rows(rows, keys_in_cache, device):
+    """ATTN_OTEL_STREAM_DIRECT: every prefill chunk (more than one token, nothing pending) is computed in the
+    forward after each layer's attention, from the forward's queries; only decode tokens take ring rows."""
+    toy = Toy(rows, keys_in_cache=keys_in_cache, device=device, direct=True)
+    _three_requests(toy)
+    st = toy.stream
+    assert st.pending() == 0 and st.counter.drifts == 0
+    assert st.direct_rows == 13 + 7 + 21 and st.direct_steps == 6 and st.direct_replayed == 0
+    assert st._head == 3 * 9 and int(st.head) == st._head % rows  # the decode tokens alone
+    assert st.flushed_rows == 3 * 9
+
+
+def test_direct_rows_of_a_forward_run_as_a_cuda_graph_go_through_the_ring(device):
+    """A forward that never called the taps with the step's plan (a CUDA graph replay: its captured taps write
+    every token to the ring) leaves the plan unused: its chunks become pending ring rows, computed by a flush."""
+    toy = Toy(64, device=device, direct=True)
+    toy.new("a", 14, prompt_len=10)
+    toy.step([("a", 0, 6)], replay=True)  # settled after the launch: 6 pending rows
+    st = toy.stream
+    assert st._plan is None and st.direct_replayed == 1 and st.pending() == 6 and st._head == 6
+    toy.step([("a", 6, 4)])  # nothing pending before? no: 6 are, so this chunk goes through the ring too
+    assert st.direct_rows == 0 and st.pending() == 10 and st._head == 10
+    for p in range(10, 14):
+        toy.step([("a", p, 1)])
+    toy.check("a", toy.step([], finished=["a"])["a"])
+    assert st.counter.drifts == 0 and int(st.head) == st._head == 14
 
 
 @pytest.mark.parametrize("rows", [16, 64])
@@ -314,9 +352,11 @@ def test_a_drifted_row_counter_drops_the_running_captures(device):
     assert not toy.stream.lost("b") and toy.stream.counter.drifts == 2
 
 
-def test_a_prefix_hit_on_a_live_requests_pending_rows(device):
-    """b hits a's first 3 blocks while a's rows there are still pending in the ring; b finishes first."""
-    toy = Toy(rows=1000, device=device)
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_prefix_hit_on_a_live_requests_pending_rows(device, direct):
+    """b hits a's first 3 blocks while a's rows there are still pending in the ring (or, with direct rows,
+    computed in a's first forward); b finishes first."""
+    toy = Toy(rows=1000, device=device, direct=direct)
     toy.new("a", 20, prompt_len=16)
     toy.step([("a", 0, 16)])
     toy.new("b", 18, prompt_len=14, share=("a", 3))
@@ -351,14 +391,18 @@ def _run_preemption(toy, rid="a"):
     toy.check("x", got["x"])
 
 
-def test_preemption_flushes_before_the_blocks_go(device):
+@pytest.mark.parametrize("direct", [False, True])
+def test_preemption_flushes_before_the_blocks_go(device, direct):
     """A preempted request's pending rows are computed in the step that frees its blocks; its recomputation
-    later lands in new blocks; every row at finish is right."""
-    _run_preemption(Toy(rows=1000, num_blocks=16, device=device))
+    later lands in new blocks (with direct rows, in that step's forward); every row at finish is right."""
+    toy = Toy(rows=1000, num_blocks=16, device=device, direct=direct)
+    _run_preemption(toy)
+    assert toy.stream.direct_rows == (10 + 12 + 11 if direct else 0)
 
 
-def test_vision_positions_reach_the_streamed_rows(device):
-    toy = Toy(rows=24, device=device)
+@pytest.mark.parametrize("direct", [False, True])
+def test_vision_positions_reach_the_streamed_rows(device, direct):
+    toy = Toy(rows=24, device=device, direct=direct)
     vision = np.zeros(40, dtype=bool)
     vision[3:11] = True
     toy.new("v", 30, prompt_len=20, vision=vision)
