@@ -231,8 +231,8 @@ class CaptureEngine:
                         stream_host_s=st.host_s, stream_device_s=st.device_s,
                         stream_flush_times=quantiles(st.flush_times),
                         stream_spilled_blocks=st.spill.spilled if st.spill is not None else None,
-                        stream_ring_drifts=st.counter.drifts, stream_direct_rows=st.direct_rows,
-                        stream_direct_steps=st.direct_steps, stream_direct_replayed=st.direct_replayed)
+                        stream_ring_drifts=st.counter.drifts, stream_direct_rows=st.direct.computed,
+                        stream_direct_steps=st.direct.steps, stream_direct_replayed=st.direct.replayed)
         return snap
 
     def _dump_loop(self) -> None:

@@ -45,10 +45,19 @@ direct rows (``ATTN_OTEL_STREAM_DIRECT``), else ``max_num_batched_tokens``.  Cos
 dtype_bytes`` per streamed layer, taken from the KV cache budget."""
 
 ATTN_OTEL_STREAM_DIRECT = "ATTN_OTEL_STREAM_DIRECT"
-"""``1`` (default): a streamed layer computes a prefill chunk's rows in the forward, right after its attention,
-from the forward's own queries, so that the query ring holds decode tokens only and is sized by
-``max_num_seqs`` (times 1 + the speculative tokens), not by ``max_num_batched_tokens``; ``0``: every token
-goes through the ring.  Off by itself where vLLM runs mixed batches as full CUDA graphs."""
+"""``1``: a streamed layer computes a prefill chunk's rows in the forward, right after its attention, from the
+forward's own queries, so that the query ring holds decode tokens only and is sized by ``max_num_seqs``
+(times 1 + the speculative tokens), not by ``max_num_batched_tokens``; ``0``: every token goes through the
+ring.  ``auto`` (default): ``1`` where that shrinks the ring by at least :data:`DIRECT_AUTO_SHARE` of the KV
+budget vLLM computed (:data:`DIRECT_AUTO_BYTES` where it is not known), else ``0``.  On an H100 with an 8B
+model (58 GiB of KV budget) at 16,384-token steps, all 32 layers save 2.1 GiB (on), the default 4 layers
+0.25 GiB (off); at ``vllm serve``'s 8,192-token steps nothing is saved (off); a big model on a small budget
+saves a larger share (gpt-oss-120b's default layers on one H100: 0.25 of 9 GiB, on).  Where it is off a
+prefill chunk's rows are computed beside the forwards, on the side stream, which measured cheaper than in
+them (docs/benchmarks/overhead.md, run 27).  Off where vLLM runs mixed batches as full CUDA graphs."""
+
+DIRECT_AUTO_SHARE = 0.01
+DIRECT_AUTO_BYTES = 1 << 30
 
 ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
 """Fraction in [0, 1] of traces whose full maps are stored (decided per trace id, so every request of a
@@ -275,7 +284,7 @@ class Config:
     layers: str | tuple[int, ...] = "auto"
     map_layers: str | tuple[int, ...] = "auto"
     stream_rows: int = 0
-    stream_direct: bool = True
+    stream_direct: str = "auto"
     maps_sample: float = 0.01
     max_map_tokens: int = 8192
     map_tap_tokens: int = 0
@@ -314,7 +323,7 @@ class Config:
                 except ValueError as e:
                     _warn(name, raw, str(e), getattr(d, field))
         values["stream_rows"] = _number(env, ATTN_OTEL_STREAM_ROWS, d.stream_rows, int, 0, 1 << 24)
-        values["stream_direct"] = _choice(env, ATTN_OTEL_STREAM_DIRECT, ("0", "1"), "1") == "1"
+        values["stream_direct"] = _choice(env, ATTN_OTEL_STREAM_DIRECT, ("auto", "0", "1"), d.stream_direct)
         values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
         values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)
         values["map_tap_tokens"] = _number(env, ATTN_OTEL_MAP_TAP_TOKENS, d.map_tap_tokens, int, 0, None)

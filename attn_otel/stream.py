@@ -44,6 +44,7 @@ import torch
 
 from . import triton_metrics
 from .attention import KERNEL_METRICS, METRICS, attention_metrics, metric_width
+from .direct import DirectRows, _prompt_and_vision
 from .slots import slots_many, upload, upload_many
 from .spill import SpillBlocks, spill_base
 
@@ -63,43 +64,6 @@ class _Live:
     lo: int = 0  # the ring's row count (MetricsStream._head) when its first pending row was written
     shared: bool = False  # some of its positions were computed by another request (a prefix-cache hit)
     lost: bool = False  # some row could not be given a ring row: its capture is dropped
-
-
-@dataclasses.dataclass
-class _Plan:
-    """This step's direct rows (:meth:`MetricsStream.direct`): the requests, their rows' key slots, and what
-    the kernel reads, uploaded before the forward."""
-
-    items: list  # (live, first position, count)
-    head: int  # the ring's row count before this step (MetricsStream._head)
-    slots: torch.Tensor  # the direct rows' key slots, on the device
-    args: tuple  # the flush kernel's arguments for them (FlushKernels.run_fused / run_torch)
-    used: bool = False  # the forward's first streamed layer took it (else it ran as a CUDA graph: see _settle)
-    queries: dict = dataclasses.field(default_factory=dict)  # layer -> the forward's queries, until direct()
-
-
-def _prompt_and_vision(tracked: Sequence[Any], ends: np.ndarray, firsts: list[int], counts: list[int]):
-    """A flush's per-request terms: each request's prompt length within its ``ends[b]`` keys, and, where some
-    request has vision positions, per request its keys' vision mask and its pending rows' running vision count
-    (else None, None)."""
-    prompt, vm_parts = [], []
-    vision_any = False
-    for b, t in enumerate(tracked):
-        end = int(ends[b])
-        prompt.append(min(len(t.prompt_token_ids or ()), end))
-        vp = getattr(t, "vision_positions", None)
-        vm = None
-        if vp is not None:
-            vm = np.zeros(end, dtype=np.float32)
-            k = min(end, len(vp))
-            vm[:k] = np.asarray(vp[:k], dtype=np.float32)
-            vision_any = vision_any or bool(vm.any())
-        vm_parts.append(vm)
-    if not vision_any:
-        return prompt, None, None
-    vm_parts = [np.zeros(int(e), dtype=np.float32) if vm is None else vm for vm, e in zip(vm_parts, ends)]
-    vc_parts = [np.cumsum(vm)[firsts[b]:firsts[b] + counts[b]] for b, vm in enumerate(vm_parts)]
-    return prompt, vm_parts, vc_parts
 
 
 class Side:
@@ -243,6 +207,7 @@ class RowCounterCheck:
         self.buf = torch.zeros(1, dtype=torch.int64, pin_memory=self.gpu)
         self.offset: int | None = None
         self.drifts = 0
+        self.total = 0  # drift since the last overrun (rows, signed)
         self._steps = 0
         self._inflight: tuple[int, Any] | None = None  # (the host's count when copied, the copy's event)
 
@@ -264,6 +229,18 @@ class RowCounterCheck:
             ev.record()
             self._inflight = (host, ev)
         return 0
+
+    def overrun(self, host: int) -> bool:
+        """:meth:`poll`, the drift summed since the last overrun: True (and a warning) once it reaches a quarter
+        of the ring, where rows still pending may have been written over."""
+        self.total += self.poll(host)
+        if abs(self.total) < self.rows // 4:
+            return False
+        logger.warning("attn-otel: the query ring's row counter drifted %d rows from the host's count of the "
+                       "forwards' tokens; the captures of the requests running now are dropped "
+                       "(stream_ring_drifts)", self.total)
+        self.total = 0
+        return True
 
     def _drift(self, device: int, host: int) -> int:
         off = (device - host) % self.rows
@@ -331,18 +308,11 @@ class MetricsStream:
         # flushes whose rows may still be read: (work number, their oldest row); per block the owner of the
         # request that wrote it (for a shared prefix's pending rows, see finish)
         self._head = 0
-        self._drift = 0  # rows the device counter moved apart from the host's count (RowCounterCheck)
         self._oldest: int | None = None
         self._inflight: list[tuple[int, int]] = []
         self.defer_flush = False  # the flush at half the ring waits for after_launch (ATTN_OTEL_AFTER_LAUNCH)
         self.flush_due = False
-        # Direct rows (ATTN_OTEL_STREAM_DIRECT): a request's chunk of more than ``direct_min`` tokens with nothing
-        # pending (a prefill chunk) is computed in the forward, layer by layer (:meth:`direct`), not through the
-        # ring, which then holds decode tokens only.  None: off (the adapter sets it where the chunk's forward
-        # runs its attention eagerly: never in a CUDA graph).
-        self.direct_min: int | None = None
-        self._plan: _Plan | None = None
-        self.direct_rows = self.direct_steps = self.direct_replayed = 0
+        self.direct = DirectRows(self)  # prefill chunks' rows in the forward (ATTN_OTEL_STREAM_DIRECT; off)
         self._writer = np.full(-(-S // self.block_size), -1, dtype=np.int64)
         self._live: dict[str, _Live] = {}
         self._by_idx: dict[int, str] = {}
@@ -408,15 +378,10 @@ class MetricsStream:
         # layer); padded tokens (slot -1) go to the ring's padding row.
         tap = self.k_tap.get(layer)
         li = self.pos[layer]
-        plan = self._plan
-        if plan is not None and li == 0 and not plan.used and not _capturing(self.device):
-            self._direct_index(slot_mapping, plan)
-        if plan is not None and plan.used:  # a step with direct rows: the ring takes the other tokens only
-            triton_metrics.scatter_rows(self.q[li], query, self._ring_index, self.rows)
-            plan.queries[layer] = query
+        if self.direct.write(layer, li, query, slot_mapping):  # a step with direct rows: the ring took the rest
             if tap is not None:
                 triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots)
-            return False  # the cache's own write, then direct() once the layer's keys are in it
+            return False  # the cache's own write, then direct.run() once the layer's keys are in it
         if li == 0:
             triton_metrics.ring_advance(slot_mapping, self.head, self.base, self.rows)
         done = triton_metrics.scatter_rows(self.q[li], query, slot_mapping, self.rows, table=self.ring_of_slot,
@@ -425,88 +390,6 @@ class MetricsStream:
             triton_metrics.scatter_rows(tap, key, slot_mapping, self.num_slots)
             return False
         return done and kv is not None
-
-    def _direct_index(self, slot_mapping: torch.Tensor, plan: "_Plan") -> None:
-        """The first streamed layer of a forward with direct rows (graph-unsafe: eager forwards only): which of
-        its tokens are direct (their slots are the plan's), each direct token's query row (its index in the
-        forward) and every other token's ring row in order from the row counter, both in the slot -> row
-        table, and the ring index the layers scatter by (direct and padded tokens: the padding row)."""
-        S, R = self.num_slots, self.rows
-        n = slot_mapping.shape[0]
-        sm = slot_mapping.to(torch.int64)
-        at = torch.where(sm >= 0, sm, S)  # padded tokens: the table's padding entry
-        table = self.ring_of_slot
-        table.index_fill_(0, plan.slots, -2)
-        direct = table.index_select(0, at) == -2
-        t = torch.arange(n, device=sm.device)
-        table.scatter_(0, torch.where(direct, at, S), torch.where(direct, t, R))
-        ring = torch.where(direct, -1, sm)
-        triton_metrics.ring_advance(ring, self.head, self.base, R)
-        keep = ring >= 0
-        rows = torch.where(keep, (self.base + torch.cumsum(keep, 0) - 1) % R, -1)
-        table.scatter_(0, torch.where(keep, at, S), torch.where(keep, rows, R))
-        # a planned slot the forward did not have (never, with a right plan) reads query row 0, not out of bounds
-        table.index_copy_(0, plan.slots, table.index_select(0, plan.slots).clamp_min(0))
-        self._ring_index = rows
-        plan.used = True
-
-    def direct(self, layer: int) -> None:
-        """After ``layer``'s attention has written this forward's keys to the cache (or :meth:`write` to the
-        K-only tap): the direct rows of that layer, from the forward's own queries, into the per-slot buffer.
-        Enqueued on the engine's stream, in the forward (eager steps only)."""
-        plan = self._plan
-        if plan is None or not plan.used:
-            return
-        q = plan.queries.pop(layer, None)
-        if q is None:
-            return
-        spec = self.layers[self.pos[layer]]
-        if q.dim() == 2:
-            q = q.unflatten(1, (spec.num_heads, spec.head_dim))
-        if q.stride(-1) != 1 or q.dtype != self.q.dtype:
-            q = q.to(self.q.dtype).contiguous()
-        self.kernels.run_direct(self.pos[layer], q, plan.args, self.ring_of_slot, plan.slots)
-
-    def _make_plan(self, items: list, head: int) -> "_Plan":
-        """This step's direct rows: the key slots and terms of each request's chunk, uploaded in one copy."""
-        lives = [lv for lv, _, _ in items]
-        firsts = np.asarray([st for _, st, _ in items], dtype=np.int64)
-        cnt = np.asarray([n for _, _, n in items], dtype=np.int64)
-        ends = firsts + cnt
-        ks_flat, cu_k = slots_many([lv.tracked.block_ids[self.group] for lv in lives], self.block_size, ends)
-        n = int(cnt.sum())
-        starts = np.zeros(len(items), dtype=np.int64)
-        np.cumsum(cnt[:-1], out=starts[1:])
-        row_slots = ks_flat[np.repeat(cu_k[1:] - cnt - starts, cnt) + np.arange(n)]
-        counts, first_l = cnt.tolist(), firsts.tolist()
-        prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends, first_l, counts)
-        if self.kernels.fused:
-            *args, slots = self.kernels.upload(first_l, counts, ks_flat, cu_k, prompt, vm_parts, vc_parts,
-                                               extra=[row_slots.astype(np.int64)])
-            args = (*args, max(counts))
-        else:
-            slots = torch.from_numpy(row_slots.astype(np.int64)).to(self.device)
-            args = (first_l, counts, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)
-        return _Plan(items, head, slots, tuple(args))
-
-    def _settle(self) -> None:
-        """The last step's plan, once its forward was launched: counted if its first streamed layer took it;
-        else that forward ran as a CUDA graph (which writes every token to the ring), and its direct rows are
-        pending ring rows like any other."""
-        plan, self._plan = self._plan, None
-        if plan is None:
-            return
-        if plan.used:
-            self.direct_steps += 1
-            self.direct_rows += sum(n for _, _, n in plan.items)
-            return
-        self.direct_replayed += 1
-        for live, _, n in plan.items:
-            if live.count == 0:
-                live.lo = plan.head
-            live.count += n
-        self._head += sum(n for _, _, n in plan.items)
-        self._oldest = plan.head if self._oldest is None else min(self._oldest, plan.head)
 
     # ------------------------------------------------------------------ engine loop, before a forward
     def schedule(self, items: Iterable[tuple[str, Any, int, int]], total: int | None = None) -> None:
@@ -521,15 +404,10 @@ class MetricsStream:
             self.host_s += time.perf_counter() - t0
 
     def _schedule(self, items: list, total: int | None) -> None:
-        self._settle()
-        self._drift += self.counter.poll(self._head)
-        if abs(self._drift) >= self.rows // 4:  # pending rows may have been written over: not computed
-            logger.warning("attn-otel: the query ring's row counter drifted %d rows from the host's count of the "
-                           "forwards' tokens; the captures of the requests running now are dropped "
-                           "(stream_ring_drifts)", self._drift)
+        self.direct.settle()
+        if self.counter.overrun(self._head):  # pending rows may have been written over: not computed
             for lv in self._live.values():
                 lv.lost = True
-            self._drift = 0
         if total is None:
             total = sum(it[3] for it in items)
         if total <= 0:
@@ -555,18 +433,7 @@ class MetricsStream:
                     writer[blocks[b]] = live.idx
         if stale:
             self.flush(stale)
-        # A chunk longer than a decode step's with nothing pending before it (a prefill chunk) is computed in
-        # the forward (direct), and takes no ring rows: the device finds its tokens by the plan's slots.
-        direct = []
-        if self.direct_min is not None:
-            direct = [it for it in lives if it[2] > self.direct_min and it[0].count == 0 and not it[0].lost]
-        if direct:
-            self._plan = self._make_plan(direct, head)
-            ids = {id(it) for it in direct}
-            lives = [it for it in lives if id(it) not in ids]
-            total -= sum(n for _, _, n in direct)
-            for live, start, n in direct:
-                live.next = start + n
+        lives, total = self.direct.take(lives, head, total)  # prefill chunks: in the forward, no ring rows
         # Flush everything pending at half the ring, so the steps after it have rows while it runs beside their
         # forwards: after this forward's launch (after_launch) where ``defer_flush``, unless the forward writes
         # over a pending row (those before ``head + total - rows``), then now.
@@ -591,7 +458,7 @@ class MetricsStream:
 
     def after_launch(self) -> None:
         """After the forward :meth:`schedule` counted is launched: the flush at half the ring it left for now."""
-        self._settle()
+        self.direct.settle()
         if self.flush_due:
             self._flush_all()
 
@@ -603,27 +470,18 @@ class MetricsStream:
     def finish(self, req_ids: Iterable[str]) -> None:
         """Before finished requests' blocks can be reused: compute their pending rows and those of any live
         request that owns a pending row in their slots (a shared prefix)."""
-        self._settle()
+        self.direct.settle()
         todo: dict[int, _Live] = {}
         for r in req_ids:
             live = self._live.get(r)
-            if live is None:
-                continue
-            todo[live.idx] = live
-            t = live.tracked
-            n = int(getattr(t, "written", 0))
-            if live.shared and n > 0 and t.block_ids and len(t.block_ids) > self.group:
-                blocks = np.asarray(t.block_ids[self.group][:-(-n // self.block_size)], dtype=np.int64)
-                owners = np.unique(self._writer[blocks])
-                for o in owners[owners >= 0].tolist():
-                    other = self._by_idx.get(int(o))
-                    if other is not None and self._live[other].count:
-                        todo[int(o)] = self._live[other]
+            if live is not None:
+                todo[live.idx] = live
+                todo.update(_pending_owners(self, live))
         self.flush(list(todo.values()))
 
     def preempt(self, req_ids: Iterable[str]) -> None:
         """Preempted requests' blocks are freed this step: compute their pending rows now."""
-        self._settle()
+        self.direct.settle()
         self.flush([self._live[r] for r in req_ids if r in self._live])
 
     def lost(self, req_id: str) -> bool:
@@ -689,11 +547,24 @@ class MetricsStream:
                          self._chunk)
 
 
+def _pending_owners(st: MetricsStream, live: _Live) -> dict[int, _Live]:
+    """The live requests (by owner id) with pending rows in the blocks ``live`` shares through the prefix cache:
+    the requests that wrote those blocks."""
+    t = live.tracked
+    n = int(getattr(t, "written", 0))
+    if not (live.shared and n > 0 and t.block_ids and len(t.block_ids) > st.group):
+        return {}
+    blocks = np.asarray(t.block_ids[st.group][:-(-n // st.block_size)], dtype=np.int64)
+    owners = np.unique(st._writer[blocks])
+    out = {}
+    for o in owners[owners >= 0].tolist():
+        other = st._by_idx.get(int(o))
+        if other is not None and st._live[other].count:
+            out[int(o)] = st._live[other]
+    return out
+
+
 _NORM = METRICS.index("entropy_norm")
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def full_rows(kept: torch.Tensor, full_at: torch.Tensor, width: int, positions: torch.Tensor, window: torch.Tensor,
@@ -811,7 +682,7 @@ class FlushKernels:
         return [*got[:5], *vis, *got[5:5 + len(extra)]]
 
     def run_direct(self, li: int, q: torch.Tensor, args: tuple, table: torch.Tensor, slots: torch.Tensor) -> None:
-        """Layer ``li``'s rows of a step's direct chunks (MetricsStream._make_plan's ``args``), their queries
+        """Layer ``li``'s rows of a step's direct chunks (DirectRows.take's plan ``args``), their queries
         rows of ``q [n, Hq, D]`` (the forward's own) found by ``table`` at their key ``slots``."""
         spec = self.layers[li]
         if self.fused:

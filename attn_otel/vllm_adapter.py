@@ -694,13 +694,12 @@ def _fp8_terms(layer) -> tuple[float, str | None]:
     return factor, None
 
 
-def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = None):
+def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = None, available: int | None = None):
     """Split the captured layers into map layers (Q/K tap) and streamed ones (attn_otel.stream): returns
     (map layers of the whole model, streamed specs, keys from vLLM's cache?, ring rows).  ``stream_local``:
     whether windowed and chunked layers are streamed (None: as the KV-budget sizing chose for this runner,
     ``_scale_available_memory``; streamed where it did not run)."""
     from .config import resolve_map_layers
-    from .stream import DEFAULT_ROWS
 
     captured = par.capture_layers if par is not None else tuple(s.index for s in specs)
     maps = resolve_map_layers(config.map_layers, captured)
@@ -728,19 +727,37 @@ def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = N
                            "Q/K tap", [s.index for s in odd], first.index)
             streamed = [s for s in streamed if s not in odd]
     from_cache = bool(streamed) and _keys_from_cache([layers[s.name] for s in streamed], runner.device.type)
-    sched = runner.vllm_config.scheduler_config
-    direct = _direct_min(runner, config)
-    # one step's ring tokens always fit: every token of the step, or with direct rows its decode tokens
-    step = (int(sched.max_num_seqs) * direct if direct is not None else int(sched.max_num_batched_tokens))
-    rows = max(config.stream_rows or DEFAULT_ROWS, step)
+    rows = _ring_rows(runner, config, streamed, available)[0]
     return maps, streamed, from_cache, rows
+
+
+def _ring_rows(runner, config, streamed, available: int | None = None) -> tuple[int, int | None]:
+    """The query ring's rows and the direct rows' threshold (:func:`_direct_min`; None: off): one step's ring
+    tokens always fit, every token of the step, or with direct rows its decode tokens.  ``auto`` weighs the ring
+    saved against ``available``, the KV budget vLLM computed (by default the one the start-up sizing saw)."""
+    from .config import DIRECT_AUTO_BYTES, DIRECT_AUTO_SHARE
+    from .stream import DEFAULT_ROWS, MetricsStream
+
+    sched = runner.vllm_config.scheduler_config
+    plain = max(config.stream_rows or DEFAULT_ROWS, int(sched.max_num_batched_tokens))
+    direct = _direct_min(runner, config) if streamed else None
+    if direct is None:
+        return plain, None
+    rows = max(config.stream_rows or DEFAULT_ROWS, int(sched.max_num_seqs) * direct)
+    if config.stream_direct == "auto":
+        dtype = _model_dtype(runner)
+        saved = MetricsStream.ring_bytes(streamed, plain, dtype) - MetricsStream.ring_bytes(streamed, rows, dtype)
+        budget = available if available is not None else getattr(runner, "_attn_otel_kv_available", None)
+        if saved < (DIRECT_AUTO_SHARE * budget if budget else DIRECT_AUTO_BYTES):
+            return plain, None
+    return rows, direct
 
 
 def _direct_min(runner, config) -> int | None:
     """The tokens of a decode step's chunk (1, or 1 + the speculative tokens), beyond which a chunk's rows are
     computed in the forward (ATTN_OTEL_STREAM_DIRECT); None where off, or where a forward with a prefill chunk
     may run as one CUDA graph (cudagraph mode FULL for mixed batches), whose taps cannot take a step's plan."""
-    if not config.stream_direct:
+    if config.stream_direct == "0":
         return None
     vc = runner.vllm_config
     try:
@@ -783,6 +800,7 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
         for spec in runner.get_kv_cache_spec().values():
             kv_per_token += spec.page_size_bytes / spec.block_size
         dtype = _model_dtype(runner)
+        runner._attn_otel_kv_available = int(available)  # ATTN_OTEL_STREAM_DIRECT=auto weighs the ring against it
         maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs),
                                                  stream_local=True)
         cache_config = getattr(getattr(runner, "vllm_config", None), "cache_config", None)
@@ -876,7 +894,7 @@ def _install(runner, kv_cache_config) -> None:
         stream = MetricsStream(streamed, num_slots, rows, dtype, runner.device, block_sizes[streamed[0].group],
                                config.sink_tokens, keys, vision=_takes_images(runner), spill_slots=spill)
         stream.defer_flush = config.after_launch  # its flush at half the ring after the forward's launch
-        stream.direct_min = _direct_min(runner, config)  # prefill chunks' rows in the forward
+        stream.direct.min = _ring_rows(runner, config, streamed)[1]  # prefill chunks' rows in the forward
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
@@ -1074,10 +1092,10 @@ def _keep_output(engine, maptap, spec, result, args, kwargs, slot_mapping) -> No
 
 
 def _direct_rows(engine, stream, index: int, name: str) -> None:
-    """A streamed layer's direct rows of this forward (attn_otel.stream.MetricsStream.direct), after its
+    """A streamed layer's direct rows of this forward (attn_otel.direct.DirectRows.run), after its
     attention: its keys are in the cache then.  Never raises."""
     try:
-        stream.direct(index)
+        stream.direct.run(index)
     except Exception:  # noqa: BLE001
         engine.warn_once("direct", "direct rows of %s failed; its captures will be wrong or dropped", name,
                          exc=True)

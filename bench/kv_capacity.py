@@ -27,14 +27,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from attn_otel.config import AUTO_LAYERS, resolve_layers, resolve_map_layers  # noqa: E402
+from attn_otel.config import AUTO_LAYERS, Config, resolve_layers, resolve_map_layers  # noqa: E402
 from attn_otel.stream import DEFAULT_ROWS, MetricsStream  # noqa: E402
 from attn_otel.tap import LayerSpec, MapTap, QKTap, kv_budget  # noqa: E402
+from attn_otel.vllm_adapter import _ring_rows  # noqa: E402
 
 GIB = 2 ** 30
 # name: layers, query heads, KV heads, head_dim, which layers have a window (and how wide), sinks, chunks,
@@ -85,12 +87,22 @@ def before(available, kv, captured, maps, rows, dtype, map_rows) -> tuple[int, i
     return int(max(0, available - fixed) * kv / (kv + tap)), tap, fixed
 
 
-def measure(name: str, shape: dict, step: int) -> dict:
+def runner_of(step: int, seqs: int, dtype: torch.dtype) -> SimpleNamespace:
+    """What the engine's ring sizing (``vllm_adapter._ring_rows``) reads of vLLM's runner: the scheduler's
+    limits, PIECEWISE graphs for mixed batches (vLLM 0.26's default), no speculative decoding."""
+    mode = SimpleNamespace(mixed_mode=lambda: SimpleNamespace(name="PIECEWISE"))
+    return SimpleNamespace(vllm_config=SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=step, max_num_seqs=seqs),
+        compilation_config=SimpleNamespace(cudagraph_mode=mode), speculative_config=None,
+        model_config=SimpleNamespace(dtype=dtype)))
+
+
+def measure(name: str, shape: dict, step: int, seqs: int = 1024) -> dict:
     dtype = torch.bfloat16
     specs = specs_of(shape)
     kv = sum(2 * s.num_kv_heads * s.head_dim * 2 for s in specs)  # bf16 K and V, every layer's page per token
     available = int(shape["budget"] * GIB)
-    rows = max(DEFAULT_ROWS, step)
+    rows = max(DEFAULT_ROWS, step)  # the ring before direct rows: one step
     map_rows = 8192  # ATTN_OTEL_MAP_TAP_TOKENS's default: ATTN_OTEL_MAX_MAP_TOKENS
     res = {"kv_bytes_per_token": kv, "budget_gib": shape["budget"], "budget_from": shape["budget_from"],
            "layers_with_window": sum(1 for s in specs if s.window),
@@ -99,14 +111,18 @@ def measure(name: str, shape: dict, step: int) -> dict:
     for config, selection in (("default", "auto"), ("all_layers", "all")):
         captured = [specs[i] for i in resolve_layers(selection, len(specs))]
         maps = resolve_map_layers("auto", [s.index for s in captured])
-        b = kv_budget(available, kv, captured, maps, captured, True, rows, dtype, shape["vision"], map_rows)
+        # the ring as the engine sizes it now (ATTN_OTEL_STREAM_DIRECT=auto: direct rows where they save >= 1% of
+        # the budget)
+        rows_now, direct = _ring_rows(runner_of(step, seqs, dtype), Config(), captured, available)
+        b = kv_budget(available, kv, captured, maps, captured, True, rows_now, dtype, shape["vision"], map_rows)
         old, old_tap, old_fixed = before(available, kv, captured, maps, rows, dtype, map_rows)
         res["configs"][config] = {
             "layers": [s.index for s in captured],
             "now": {"kv_capacity": round(b.kv_bytes / available, 4), "capture_bytes_per_token": b.per_token,
                     "per_token_factor": round(kv / (kv + b.per_token), 4), "fixed_gib": round(b.fixed / GIB, 3),
                     "qk_tapped": len(b.tapped), "streamed": len(b.streamed), "windowed_streamed": b.local_streamed,
-                    "streamed_with_k_tap": sum(1 for s in b.streamed if s.local)},
+                    "streamed_with_k_tap": sum(1 for s in b.streamed if s.local),
+                    "ring_rows": rows_now, "direct_rows": direct is not None},
             "before": {"kv_capacity": round(old / available, 4), "capture_bytes_per_token": old_tap,
                        "per_token_factor": round(kv / (kv + old_tap), 4), "fixed_gib": round(old_fixed / GIB, 3)},
         }
@@ -156,12 +172,17 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=16384,
                     help="max_num_batched_tokens: the ring holds one step (vLLM 0.26's default on an H100 offline; "
                          "8192 for `vllm serve`)")
+    ap.add_argument("--max-num-seqs", type=int, default=1024,
+                    help="vLLM's max_num_seqs: with direct rows the ring holds one step's decode tokens (1024: vLLM "
+                         "0.26's default on an H100)")
     args = ap.parse_args()
-    out = {"method": "attn_otel.tap.kv_budget on layer specs of the published configs (no engine)",
-           "step_tokens": args.step, "auto_layers": AUTO_LAYERS,
-           "models": {name: measure(name, shape, args.step) for name, shape in SHAPES.items()}}
+    out = {"method": "attn_otel.tap.kv_budget on layer specs of the published configs (no engine), the ring sized by "
+                     "vllm_adapter._ring_rows",
+           "step_tokens": args.step, "max_num_seqs": args.max_num_seqs, "auto_layers": AUTO_LAYERS,
+           "models": {name: measure(name, shape, args.step, args.max_num_seqs) for name, shape in SHAPES.items()}}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    serve = {name: measure(name, shape, 8192) for name, shape in SHAPES.items()} if args.step != 8192 else None
+    serve = ({name: measure(name, shape, 8192, args.max_num_seqs) for name, shape in SHAPES.items()}
+             if args.step != 8192 else None)
     plot(out["models"], serve, args.step, Path(args.out).with_suffix(".png"))
     print(f"{'model':<15} {'config':<11} {'before':>7} {'now':>7} {'per-token':>9} {'fixed GiB':>9}")
     for name, m in out["models"].items():

@@ -15,6 +15,9 @@ def main(model: str, store: str, out_json: str, method: str = "ngram") -> None:
                        "ATTN_OTEL_MAPS_SAMPLE": "0", "ATTN_OTEL_ROW_METRICS": "all",
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ATTN_OTEL_STORE_TOKENS": "1", "ATTN_OTEL_VERIFY": "1",
                        "VLLM_CPU_KVCACHE_SPACE": "1"})
+    # prefill chunks' rows in the forward, as an all-layers capture of a large model runs them (auto would leave
+    # these small models' rings alone); ATTN_OTEL_STREAM_DIRECT=0 runs the ring path
+    os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")
     import numpy as np
     from vllm import LLM, SamplingParams
 

@@ -146,6 +146,7 @@ def test_blank_store_falls_back_to_the_default():
     ("ATTN_OTEL_STORE_TOKENS", "maybe", "store_tokens"),
     ("ATTN_OTEL_KV_WRITE", "both", "kv_write"),
     ("ATTN_OTEL_AFTER_LAUNCH", "later", "after_launch_at"),
+    ("ATTN_OTEL_STREAM_DIRECT", "yes", "stream_direct"),
 ])
 def test_bad_value_warns_and_falls_back(caplog, name, value, field):
     with caplog.at_level(logging.WARNING, logger="attn_otel"):
@@ -161,6 +162,65 @@ def test_after_launch_says_whether_and_where(raw, on, at):
     config = Config.from_env({"ATTN_OTEL_AFTER_LAUNCH": raw})
     assert (config.after_launch, config.after_launch_at) == (on, at)
     assert (Config().after_launch, Config().after_launch_at) == (True, "execute")  # the default
+
+
+def _runner(step, seqs, spec_tokens=0, mixed="PIECEWISE"):
+    from types import SimpleNamespace
+
+    import torch
+
+    mode = SimpleNamespace(mixed_mode=lambda: SimpleNamespace(name=mixed))
+    return SimpleNamespace(vllm_config=SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=step, max_num_seqs=seqs),
+        compilation_config=SimpleNamespace(cudagraph_mode=mode),
+        speculative_config=SimpleNamespace(num_speculative_tokens=spec_tokens) if spec_tokens else None,
+        model_config=SimpleNamespace(dtype=torch.bfloat16)))
+
+
+def _llama_layers(n):
+    from attn_otel.tap import LayerSpec
+
+    return [LayerSpec(index=i, name=f"l{i}", num_heads=32, num_kv_heads=8, head_dim=128, scale=128 ** -0.5)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("raw, layers, step, mixed, rows, direct", [
+    # auto: direct rows where the ring they save is at least 1 GiB (all 32 layers of an 8B model at 16k steps)
+    ("auto", 32, 16384, "PIECEWISE", 8192, 1),
+    ("auto", 4, 16384, "PIECEWISE", 16384, None),  # the default 4 layers: 0.25 GiB saved, not worth it
+    ("auto", 32, 8192, "PIECEWISE", 8192, None),  # vllm serve's steps: nothing saved
+    ("1", 4, 16384, "PIECEWISE", 8192, 1),
+    ("1", 32, 16384, "FULL", 16384, None),  # mixed batches as full CUDA graphs: the taps never see a plan
+    ("0", 32, 16384, "PIECEWISE", 16384, None),
+])
+def test_direct_rows_and_the_ring_they_size(raw, layers, step, mixed, rows, direct):
+    from attn_otel.vllm_adapter import _ring_rows
+
+    config = Config.from_env({"ATTN_OTEL_STREAM_DIRECT": raw})
+    assert _ring_rows(_runner(step, 1024, mixed=mixed), config, _llama_layers(layers)) == (rows, direct)
+    assert Config().stream_direct == "auto"
+
+
+@pytest.mark.parametrize("layers, budget_gib, direct", [
+    (4, 58, None),  # 0.25 GiB of 58: under 1%
+    (4, 9, 1),  # a big model's small budget on one GPU: 2.8%
+    (32, 58, 1),
+])
+def test_auto_weighs_the_ring_saved_against_the_kv_budget(layers, budget_gib, direct):
+    from attn_otel.vllm_adapter import _ring_rows
+
+    runner = _runner(16384, 1024)
+    assert _ring_rows(runner, Config(), _llama_layers(layers), budget_gib << 30)[1] == direct
+    runner._attn_otel_kv_available = budget_gib << 30  # the start-up sizing's, where the install reads it
+    assert _ring_rows(runner, Config(), _llama_layers(layers))[1] == direct
+
+
+def test_direct_rows_leave_a_decode_step_with_speculative_tokens_to_the_ring():
+    from attn_otel.vllm_adapter import _ring_rows
+
+    config = Config.from_env({"ATTN_OTEL_STREAM_DIRECT": "1", "ATTN_OTEL_STREAM_ROWS": "256"})
+    # a chunk of 1 + 3 drafts is a decode step's (the ring's); the ring holds every running request's 4
+    assert _ring_rows(_runner(16384, 512, spec_tokens=3), config, _llama_layers(2)) == (2048, 4)
 
 
 def test_bad_value_leaves_the_other_variables_alone():

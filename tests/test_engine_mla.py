@@ -39,6 +39,8 @@ def test_every_mla_layer_is_captured_from_the_latent_cache(served_mla):
         assert s["scale"] == pytest.approx((32 + 64) ** -0.5)
     assert got["captured"] == len(got["requests"]) == 9 and got["dropped"] == {}
     assert "not capturing" not in stderr
+    # the prompts' rows from the absorbed queries in the forward (variant_serve: ATTN_OTEL_STREAM_DIRECT=1)
+    assert got["direct_rows"] > 0 and got["direct_replayed"] == 0
 
 
 def test_mla_maps_and_metrics_match_hf_eager_and_reconstruct_the_output(served_mla):

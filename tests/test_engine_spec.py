@@ -40,6 +40,9 @@ def test_drafts_were_proposed_accepted_and_rejected_and_every_request_captured(s
     accepted = got["spec"]["vllm:spec_decode_num_accepted_tokens"]
     assert 0 < accepted < drafted, got["spec"]  # both paths: accepted drafts and rejected ones
     assert got["stats"]["captured"] == len(got["requests"]) and got["stats"]["dropped"] == {}
+    # prompts' rows computed in the forward (spec_serve: ATTN_OTEL_STREAM_DIRECT=1), a decode step's chunk of
+    # 1 + the drafts through the ring
+    assert got["stats"]["stream_direct_rows"] > 0 and got["stats"]["stream_direct_replayed"] == 0, got["stats"]
 
 
 def test_captures_under_speculative_decoding_are_exact(served_spec, smollm2_path):

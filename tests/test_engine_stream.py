@@ -70,7 +70,7 @@ json.dump({"runs": runs, "preempted": len(preempted), "stats": snap, "streamed":
 def streamed_run(smollm2_path, tmp_path_factory):
     d = tmp_path_factory.mktemp("stream")
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(d / "store"), "ATTN_OTEL_LAYERS": "all",
-           "ATTN_OTEL_AFTER_LAUNCH": "output",
+           "ATTN_OTEL_AFTER_LAUNCH": "output", "ATTN_OTEL_STREAM_DIRECT": "1",
            "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_STREAM_ROWS": "64", "ATTN_OTEL_MAPS_SAMPLE": "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "RESULT": str(d / "result.json"),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
@@ -92,7 +92,7 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert any(r["cached"] >= 128 for r in res["runs"]), "the second prompt was meant to hit the prefix cache"
     assert res["flushes"] > 10 and res["pending"] == 0
     stats = res["stats"]
-    # prefill chunks' rows computed in the forward (ATTN_OTEL_STREAM_DIRECT, the default), decode rows through
+    # prefill chunks' rows computed in the forward (ATTN_OTEL_STREAM_DIRECT=1), decode rows through
     # the ring; on the CPU build every forward is eager, so no plan was left to a CUDA graph
     assert stats["stream_direct_rows"] > 0 and stats["stream_direct_steps"] > 0, stats
     assert stats["stream_direct_replayed"] == 0

@@ -62,6 +62,7 @@ def mla_engine(mla_model, tmp_path_factory):
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_VERIFY": "1", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_STORE_TOKENS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")  # prefill rows in the forward (auto: off this small)
     from vllm import LLM
 
     llm = LLM(model=mla_model, skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=256,
@@ -101,7 +102,10 @@ def test_gpu_mla_maps_and_metrics_are_the_served_models(mla_engine, mla_model):
     results = {"attention_impl": engine.attrs["attention_impl"],
                "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
                "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),
-               "prefix_cached_tokens": max(o.num_cached_tokens or 0 for o, _, _ in runs), "stats": stats}
+               "prefix_cached_tokens": max(o.num_cached_tokens or 0 for o, _, _ in runs), "stats": stats,
+               "stream": None if engine.stream is None else {
+                   "rows": engine.stream.rows, "direct_rows": engine.stream.direct.computed,
+                   "direct_replayed": engine.stream.direct.replayed, "flushed_rows": engine.stream.flushed_rows}}
     maps_cal, rows_cal, recon, pooled = Calibrated(), Calibrated(), [], []
     for out, t, maps in runs:
         (cap,) = attn_otel.open_trace(t, store)

@@ -40,6 +40,7 @@ def spec_engine(gpu_model, tmp_path_factory):  # noqa: F811
                        "ATTN_OTEL_STORE_TOKENS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                        # greedy anyway; FlashInfer's sampler is JIT-built by vLLM's warm-up on a fresh machine (minutes)
                        "VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")  # prefill rows in the forward (auto: off this small)
     from vllm import LLM
 
     if METHOD in ("eagle", "eagle3"):
@@ -87,7 +88,10 @@ def test_speculative_captures_are_exact_and_hold_accepted_rows_only(spec_engine,
         fp32, bf16 = hf_references(gpu_model, ids[:T], device="cuda")
         cal.add_maps("tv", cap.maps(), fp32[list(cap.layers)], bf16[list(cap.layers)])
         recon.append(check_reconstruction(cap))
+    st = engine.stream
     report = {"method": METHOD, "spec": spec, "stats": {k: stats[k] for k in ("captured", "dropped", "skipped")},
+              "stream": None if st is None else {"rows": st.rows, "direct_rows": st.direct.computed,
+                                                 "direct_replayed": st.direct.replayed, "flushed_rows": st.flushed_rows},
               "layer_kinds": kinds, "calibrated": cal.report(),
               "reconstruction_worst": {k: max(r[k] for r in recon) for k in ("median", "p99", "max")},
               "attention_impl": engine.attrs["attention_impl"]}

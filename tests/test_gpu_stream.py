@@ -30,6 +30,7 @@ def stream_engine(gpu_model, tmp_path_factory):  # noqa: F811
                        "ATTN_OTEL_MAP_LAYERS": "0", "ATTN_OTEL_STREAM_ROWS": "256", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": os.environ.get("ATTN_OTEL_GPU_ROWS", "maps"),
                        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")  # (auto would leave this small model's ring alone)
     from preemptions import count_preemptions
     from vllm import LLM
 
@@ -70,6 +71,7 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
                "attention_impl": engine.attrs["attention_impl"], "preemptions": len(preempted),
                "prefix_cached_tokens": max(o.num_cached_tokens or 0 for o, _ in runs),
                "stream_flushes": engine.stream.flushes, "stream_flushed_rows": engine.stream.flushed_rows,
+               "stream_direct_rows": engine.stream.direct.computed, "stream_direct_replayed": engine.stream.direct.replayed,
                "stats": stats}
     rows = Calibrated()  # per-row metrics (ATTN_OTEL_GPU_ROWS=all)
     summaries = Calibrated()  # the device's summaries (the default)
@@ -121,9 +123,9 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
     assert results["stream_flushes"] > 10
     if os.environ.get("ATTN_OTEL_STREAM_DIRECT", "1") == "1":  # prefill chunks' rows in the forward, after each
         # streamed layer's attention (PIECEWISE: eager there), decode rows through the ring written in the graphs
-        assert stats["stream_direct_rows"] > 0 and stats["stream_direct_replayed"] == 0, stats
+        assert engine.stream.direct.computed > 0 and engine.stream.direct.replayed == 0
     else:
-        assert stats["stream_direct_rows"] == 0, stats
+        assert engine.stream.direct.computed == 0
     assert rows.err or summaries.err
     if rows.err:
         rows.check("GPU streamed layers, per-row metrics")

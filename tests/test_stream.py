@@ -65,7 +65,7 @@ class Toy:
         self.free = list(range(num_blocks))[::-1]
         self.slow = slow  # GPU: every step's capture work starts behind a sleep, far behind the forwards
         self.stream.defer_flush = defer_flush  # the flush at half the ring after the forward, as the adapter does
-        self.stream.direct_min = 1 if direct else None  # prefill chunks' rows in the forward (vllm_adapter)
+        self.stream.direct.min = 1 if direct else None  # prefill chunks' rows in the forward (vllm_adapter)
         self.flushed_before = self.flushed_after = 0  # half-ring flushes in schedule / after the forward
 
     def new(self, rid, T, prompt_len, share=None, vision=None):
@@ -128,9 +128,9 @@ class Toy:
             for s in LAYERS:
                 qs[s.index].append(self.q[rid][s.index][start:start + n])
                 ks[s.index].append(self.k[rid][s.index][start:start + n])
-        plan = self.stream._plan
+        plan = self.stream.direct.plan
         if replay:
-            self.stream._plan = None
+            self.stream.direct.plan = None
         if chunks:
             slots = torch.from_numpy(np.concatenate(slot_list + [np.full(3, -1)])).to(self.device)
             for s in LAYERS:
@@ -144,13 +144,13 @@ class Toy:
                     real = slots >= 0
                     assert torch.equal(self.values[s.index][slots[real] // BS, slots[real] % BS], -k[real])
                 else:
-                    assert self.device == "cpu" or not self.keys_in_cache or self.stream._plan is not None
+                    assert self.device == "cpu" or not self.keys_in_cache or self.stream.direct.plan is not None
                     real = slots >= 0
                     c = self.cache[s.index]
                     c[slots[real] // BS, slots[real] % BS] = k[real]
-                self.stream.direct(s.index)  # after the layer's attention, as the adapter's forward calls it
+                self.stream.direct.run(s.index)  # after the layer's attention, as the adapter's forward calls it
         if replay:
-            self.stream._plan = plan
+            self.stream.direct.plan = plan
         n0 = self.stream.flushes
         self.stream.after_launch()  # the forward is enqueued: what it did not wait for (vllm_adapter._after_launch)
         self.flushed_after += self.stream.flushes - n0
@@ -214,7 +214,7 @@ def test_direct_rows_equal_the_reference_and_take_no_ring_rows(rows, keys_in_cac
     _three_requests(toy)
     st = toy.stream
     assert st.pending() == 0 and st.counter.drifts == 0
-    assert st.direct_rows == 13 + 7 + 21 and st.direct_steps == 6 and st.direct_replayed == 0
+    assert st.direct.computed == 13 + 7 + 21 and st.direct.steps == 6 and st.direct.replayed == 0
     assert st._head == 3 * 9 and int(st.head) == st._head % rows  # the decode tokens alone
     assert st.flushed_rows == 3 * 9
 
@@ -226,9 +226,9 @@ def test_direct_rows_of_a_forward_run_as_a_cuda_graph_go_through_the_ring(device
     toy.new("a", 14, prompt_len=10)
     toy.step([("a", 0, 6)], replay=True)  # settled after the launch: 6 pending rows
     st = toy.stream
-    assert st._plan is None and st.direct_replayed == 1 and st.pending() == 6 and st._head == 6
+    assert st.direct.plan is None and st.direct.replayed == 1 and st.pending() == 6 and st._head == 6
     toy.step([("a", 6, 4)])  # nothing pending before? no: 6 are, so this chunk goes through the ring too
-    assert st.direct_rows == 0 and st.pending() == 10 and st._head == 10
+    assert st.direct.computed == 0 and st.pending() == 10 and st._head == 10
     for p in range(10, 14):
         toy.step([("a", p, 1)])
     toy.check("a", toy.step([], finished=["a"])["a"])
@@ -397,7 +397,7 @@ def test_preemption_flushes_before_the_blocks_go(device, direct):
     later lands in new blocks (with direct rows, in that step's forward); every row at finish is right."""
     toy = Toy(rows=1000, num_blocks=16, device=device, direct=direct)
     _run_preemption(toy)
-    assert toy.stream.direct_rows == (10 + 12 + 11 if direct else 0)
+    assert toy.stream.direct.computed == (10 + 12 + 11 if direct else 0)
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -28,6 +28,9 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
                        # GPU: vLLM 0.26's warm-up JIT-builds FlashInfer's sampling module with ninja on a fresh
                        # machine (minutes, seen with speculative decoding); these tests sample greedily anyway
                        "VLLM_USE_FLASHINFER_SAMPLER": "0"})
+    # prefill chunks' rows in the forward, as an all-layers capture of a large model runs them (auto would leave
+    # these small models' rings alone); ATTN_OTEL_STREAM_DIRECT=0 runs the ring path
+    os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")
     logging.basicConfig()
     logging.getLogger("attn_otel").setLevel(logging.INFO)
     import numpy as np
@@ -129,7 +132,9 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
                    "prefix_caching": bool(kv.enable_prefix_caching),
                    "chunked_prefill": bool(llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill),
                    "captured": stats["captured"], "dropped": stats["dropped"], "spec": drafts,
-                   "after_launch_at": stats["after_launch_at"], "step_host_s": stats["step_host_s"]}, f)
+                   "after_launch_at": stats["after_launch_at"], "step_host_s": stats["step_host_s"],
+                   "direct_rows": stats.get("stream_direct_rows"),
+                   "direct_replayed": stats.get("stream_direct_replayed")}, f)
 
 
 def _eager(ops: str | None) -> dict:
