@@ -219,6 +219,27 @@ def test_direct_rows_equal_the_reference_and_take_no_ring_rows(rows, keys_in_cac
     assert st.flushed_rows == 3 * 9
 
 
+def test_direct_rows_beside_decode_steps_and_tokens_not_followed(device):
+    """A step with a prefill chunk (direct), another request's decode token and a request attn-otel does not
+    follow: the decode and unfollowed tokens take ring rows in the forward's order, the chunk none, and the
+    device's row counter keeps to the host's count."""
+    toy = Toy(rows=64, device=device, direct=True)
+    toy.stream.counter.every = 1
+    toy.new("a", 12, prompt_len=8)
+    toy.new("b", 14, prompt_len=10)
+    toy.new("u", 30, prompt_len=30)  # never scheduled through the stream
+    toy.step([("a", 0, 8)])
+    toy.step([("a", 8, 1), ("b", 0, 10)], uncaptured=[("u", 0, 5)])
+    for p in range(1, 4):
+        toy.step([("a", 8 + p, 1), ("b", 9 + p, 1)], uncaptured=[("u", 5 * p, 5)])
+    got = toy.step([], finished=["a", "b"])
+    toy.check("a", got["a"])
+    toy.check("b", got["b"])
+    st = toy.stream
+    assert st.direct.computed == 8 + 10 and st.counter.drifts == 0
+    assert st._head == 4 + 3 + 4 * 5 and int(st.head) == st._head  # a's 4 and b's 3 decode tokens, u's 20
+
+
 def test_direct_rows_of_a_forward_run_as_a_cuda_graph_go_through_the_ring(device):
     """A forward that never called the taps with the step's plan (a CUDA graph replay: its captured taps write
     every token to the ring) leaves the plan unused: its chunks become pending ring rows, computed by a flush."""
