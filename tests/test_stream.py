@@ -217,6 +217,11 @@ def test_direct_rows_equal_the_reference_and_take_no_ring_rows(rows, keys_in_cac
     assert st.direct.computed == 13 + 7 + 21 and st.direct.steps == 6 and st.direct.replayed == 0
     assert st._head == 3 * 9 and int(st.head) == st._head % rows  # the decode tokens alone
     assert st.flushed_rows == 3 * 9
+    if device == "cuda":  # the kernels in the forwards, timed by events read once done
+        torch.cuda.synchronize()
+        assert st.direct.device_s > 0
+    else:
+        assert st.direct.device_s == 0
 
 
 def test_direct_rows_beside_decode_steps_and_tokens_not_followed(device):
