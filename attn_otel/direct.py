@@ -82,9 +82,8 @@ class DirectRows:
         cnt = np.asarray([n for _, _, n in items], dtype=np.int64)
         ends = firsts + cnt
         ks_flat, cu_k = slots_many([lv.tracked.block_ids[st.group] for lv in lives], st.block_size, ends)
-        starts = np.zeros(len(items), dtype=np.int64)
-        np.cumsum(cnt[:-1], out=starts[1:])
-        row_slots = ks_flat[np.repeat(cu_k[1:] - cnt - starts, cnt) + np.arange(int(cnt.sum()))].astype(np.int64)
+        starts, row_slots = _row_slots(ks_flat, cu_k, cnt)
+        row_slots = row_slots.astype(np.int64)
         counts, first_l = cnt.tolist(), firsts.tolist()
         prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends, first_l, counts)
         if st.kernels.fused:
@@ -195,6 +194,14 @@ class DirectRows:
             live.count += c
         st._head += n
         st._oldest = plan.head if st._oldest is None else min(st._oldest, plan.head)
+
+
+def _row_slots(key_slots: np.ndarray, cu_keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows that are each request's last ``counts[b]`` key positions (request ``b``'s keys at
+    ``key_slots[cu_keys[b]:cu_keys[b + 1]]``): each request's first row's index among them, and their slots."""
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    return starts, key_slots[np.repeat(cu_keys[1:] - counts - starts, counts) + np.arange(int(counts.sum()))]
 
 
 def _prompt_and_vision(tracked: Sequence[Any], ends: np.ndarray, firsts: list[int], counts: list[int]):

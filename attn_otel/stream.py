@@ -44,7 +44,7 @@ import torch
 
 from . import triton_metrics
 from .attention import KERNEL_METRICS, METRICS, attention_metrics, metric_width
-from .direct import DirectRows, _prompt_and_vision
+from .direct import DirectRows, _prompt_and_vision, _row_slots
 from .slots import slots_many, upload, upload_many
 from .spill import SpillBlocks, spill_base
 
@@ -523,9 +523,7 @@ class MetricsStream:
                                        table=self.ring_of_slot)
                 seq = self.side.mark()
         else:
-            starts = np.zeros(len(lives), dtype=np.int64)
-            np.cumsum(cnt[:-1], out=starts[1:])
-            row_slots = ks_flat[np.repeat(cu_k[1:] - cnt - starts, cnt) + np.arange(n)]  # the pending rows' slots
+            starts, row_slots = _row_slots(ks_flat, cu_k, cnt)  # the pending rows' slots
             rows = self.ring_of_slot[torch.from_numpy(row_slots).to(self.device)].cpu().numpy()
             self.kernels.run_torch(firsts, counts, rows, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)
         if seq:  # the forwards may write these rows again once the flush has read them (see _reclaim)

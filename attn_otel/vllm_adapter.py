@@ -694,7 +694,7 @@ def _fp8_terms(layer) -> tuple[float, str | None]:
     return factor, None
 
 
-def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = None, available: int | None = None):
+def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = None):
     """Split the captured layers into map layers (Q/K tap) and streamed ones (attn_otel.stream): returns
     (map layers of the whole model, streamed specs, keys from vLLM's cache?, ring rows).  ``stream_local``:
     whether windowed and chunked layers are streamed (None: as the KV-budget sizing chose for this runner,
@@ -727,7 +727,7 @@ def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = N
                            "Q/K tap", [s.index for s in odd], first.index)
             streamed = [s for s in streamed if s not in odd]
     from_cache = bool(streamed) and _keys_from_cache([layers[s.name] for s in streamed], runner.device.type)
-    rows = _ring_rows(runner, config, streamed, available)[0]
+    rows = _ring_rows(runner, config, streamed)[0]
     return maps, streamed, from_cache, rows
 
 
