@@ -83,7 +83,9 @@ is ``layers * heads * T * T * 2`` bytes.  Default 8192."""
 
 ATTN_OTEL_QUEUE_BYTES = "ATTN_OTEL_QUEUE_BYTES"
 """Bound, in bytes, on captures waiting for the writer.  A capture that would exceed it is dropped and
-counted (``queue_full``): the engine never waits for storage.  Default 1 GiB."""
+counted (``queue_full``): the engine never waits for storage.  Captures with maps leave an eighth of it free
+(beyond that their maps are skipped, ``maps_queue_full``), so that maps waiting on a slow store do not crowd
+out the captures without maps.  Default 1 GiB."""
 
 ATTN_OTEL_DEVICE_QUEUE_BYTES = "ATTN_OTEL_DEVICE_QUEUE_BYTES"
 """Bound, in bytes, on finished requests' Q/K copies waiting on the device for the compute thread (the

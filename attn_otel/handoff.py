@@ -59,6 +59,10 @@ def at_exit(fn: Callable[[], None]) -> None:
     atexit.register(fn)
 
 
+MAPS_HEADROOM = 0.125
+"""Share of the host hand-off queue (``ATTN_OTEL_QUEUE_BYTES``) that captures with maps leave free."""
+
+
 class ByteBudget:
     """Bytes held somewhere (host or device) by captures in flight, at most ``capacity``: ``reserve`` says
     no rather than wait.  With ``first_always``, one reservation is granted however large when nothing is
@@ -73,9 +77,11 @@ class ByteBudget:
         self._idle = threading.Event()
         self._idle.set()
 
-    def reserve(self, nbytes: int) -> bool:
+    def reserve(self, nbytes: int, headroom: int = 0) -> bool:
+        """Hold ``nbytes`` if the bytes held stay within ``capacity - headroom`` (``headroom`` keeps room free
+        for the reservations made without one)."""
         with self._lock:
-            if self._bytes + nbytes > self.capacity and not (self._first_always and self._bytes <= 0):
+            if self._bytes + nbytes > self.capacity - headroom and not (self._first_always and self._bytes <= 0):
                 return False
             self._bytes += nbytes
             self._idle.clear()
@@ -98,12 +104,17 @@ class ByteBudget:
 class Handoff:
     """Bounded (in bytes, ``ATTN_OTEL_QUEUE_BYTES``) queue from the engine loop to the writer threads, each
     of which hands its jobs to ``writers`` (a :class:`attn_otel.writers.WriterPool`): ``put`` never blocks; a capture whose bytes cannot be reserved
-    is dropped and counted by the caller.  A written or dropped job's maps segment goes back to ``maps_pool`` (a :class:`attn_otel.hostmem.SegmentPool`)."""
+    is dropped and counted by the caller.  A written or dropped job's maps segment goes back to ``maps_pool`` (a :class:`attn_otel.hostmem.SegmentPool`).
+
+    Maps (up to ``layers * heads * T * T * 2`` bytes each) may fill the queue only up to ``capacity -
+    maps_headroom`` (:data:`MAPS_HEADROOM` of it kept free): a burst of maps waiting on the store then makes later
+    maps fall back to metrics (``maps_queue_full``), but never drops a capture without maps (a few kB each)."""
 
     def __init__(self, config: Config, stats: Stats, writers: Any, maps_pool: Any, ranks: int = 1):
         self.stats = stats
         self.budget = ByteBudget(config.queue_bytes)
         self.capacity = self.budget.capacity
+        self.maps_headroom = int(self.capacity * MAPS_HEADROOM)
         self._writers = writers
         self._maps_pool = maps_pool
         self._closing = 0.0
@@ -114,8 +125,9 @@ class Handoff:
             t.start()
         at_exit(self._drain_at_exit)
 
-    def reserve(self, nbytes: int) -> bool:
-        return self.budget.reserve(nbytes)
+    def reserve(self, nbytes: int, maps: bool = False) -> bool:
+        """Hold a capture's bytes; one with maps leaves ``maps_headroom`` free."""
+        return self.budget.reserve(nbytes, self.maps_headroom if maps else 0)
 
     def put(self, job: Job) -> None:
         self._q.put_nowait(job)

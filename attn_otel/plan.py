@@ -140,7 +140,7 @@ class Planner:
             nbytes = 2 * len(METRICS) * 4 * L * H * 4
         else:
             nbytes = len(METRICS) * L * H * T * 4 + (L * H * T * T * 2 if want_maps else 0)
-        if not self.handoff.reserve(nbytes):
+        if not self.handoff.reserve(nbytes, maps=want_maps):
             if want_maps and self.handoff.reserve(nbytes - L * H * T * T * 2):
                 nbytes -= L * H * T * T * 2
                 want_maps = False

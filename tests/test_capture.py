@@ -12,7 +12,9 @@ import attn_otel
 from attn_otel.capture import CaptureEngine
 from attn_otel.tap import LayerSpec
 from attn_otel.tracking import FinishedRequest
+from attn_otel.attention import METRICS
 from attn_otel.config import Config
+from attn_otel.handoff import MAPS_HEADROOM, ByteBudget
 from attn_otel.ids import new_span_id, new_trace_id
 
 SPEC = LayerSpec(index=0, name="l0", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
@@ -41,13 +43,46 @@ def test_a_capture_that_does_not_fit_the_queue_is_dropped_and_counted(tmp_path):
 
 
 def test_maps_that_do_not_fit_fall_back_to_metrics(tmp_path):
-    eng = _engine(tmp_path, queue_bytes=50_000)  # metrics of T=100 fit (11 kB), with maps (+80 kB) not
+    eng = _engine(tmp_path, queue_bytes=50_000)  # metrics of T=100 fit (12.8 kB), with maps (+80 kB) not
     trace = new_trace_id()
     eng.on_finished(_req(100, "maps", trace))
     eng.flush(30)
     assert eng.stats.snapshot()["skipped"] == {"maps_queue_full": 1}
     (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
     assert not cap.has_maps and cap.metrics["entropy"].shape == (1, 4, 100)
+
+
+def test_maps_leave_room_in_the_queue_for_captures_without_maps():
+    b = ByteBudget(1000)
+    assert b.reserve(800, headroom=125)  # maps: within 1000 - 125
+    assert not b.reserve(100, headroom=125)  # more maps would eat into the room kept free
+    assert b.reserve(190)  # a capture without maps still fits
+    assert not b.reserve(20) and b.pending_bytes == 990
+    b.release(990)
+    assert b.pending_bytes == 0 and b.reserve(875, headroom=125)
+
+
+def test_maps_that_fit_the_queue_but_not_its_maps_share_fall_back_to_metrics(tmp_path):
+    # T=100 on one 4-head layer: metrics take len(METRICS) * 4 * 100 * 4 bytes, maps 80,000 more
+    with_maps = len(METRICS) * 4 * 100 * 4 + 4 * 100 * 100 * 2
+    queue = int(with_maps / (1 - MAPS_HEADROOM)) - 1000  # the capture fits the queue, not the maps' share
+    assert with_maps < queue and with_maps > queue - int(queue * MAPS_HEADROOM)
+    eng = _engine(tmp_path, queue_bytes=queue)
+    assert eng.handoff.maps_headroom == int(queue * MAPS_HEADROOM)
+    trace = new_trace_id()
+    eng.on_finished(_req(100, "maps", trace))
+    eng.flush(30)
+    s = eng.stats.snapshot()
+    assert s["skipped"] == {"maps_queue_full": 1} and s["stored"] == 1 and not s["dropped"]
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    assert not cap.has_maps and cap.metrics["entropy"].shape == (1, 4, 100)
+    eng2 = _engine(tmp_path, store="store2", queue_bytes=queue + 2000)  # now within the maps' share
+    trace2 = new_trace_id()
+    eng2.on_finished(_req(100, "maps", trace2))
+    eng2.flush(30)
+    assert eng2.stats.snapshot()["skipped"] == {}
+    (cap2,) = attn_otel.open_trace(trace2, store=tmp_path / "store2")
+    assert cap2.has_maps
 
 
 def test_requests_longer_than_the_map_cap_get_metrics_only(tmp_path):
