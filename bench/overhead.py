@@ -259,20 +259,28 @@ def profile_phase(phase: str, out: Path, workload: str) -> None:
     print(text[:6000], flush=True)
 
 
-def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, maps_fraction: float = 0.0) -> None:
+def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, maps_fraction: float = 0.0,
+                   steps: int = 0) -> None:
     """One warm workload run of ``phase`` with vLLM's own torch profiler in the engine core process (the
     multiprocess engine, as measured): its trace and table go to DIR/vllm-profile-PHASE/, and where the GPU
     waits (bench/trace_gaps.py) to DIR/vllm-profile-PHASE.txt.  ``stacks`` records Python functions too
     (the idle time is then blamed on them, not only on torch ops), but an 8 s run's trace then takes more
-    than 5 minutes to write."""
+    than 5 minutes to write.  ``steps`` > 0 keeps the trace to that many engine steps from the run's start.
+    The trace is written plain (no gzip) and vLLM's own CUDA-time table is skipped: on a 512+256 run (about
+    330 steps) the two took the profile past 100 s on an H100 (run 28)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import trace_gaps
 
     tag = f"{phase}-maps" if maps_fraction else phase
     prof_dir = out / f"vllm-profile-{tag}"
     prof_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     llm = _profile_llm(phase, profiler_config={"profiler": "torch", "torch_profiler_dir": str(prof_dir),
-                                               "torch_profiler_with_stack": stacks})
+                                               "torch_profiler_with_stack": stacks,
+                                               "torch_profiler_use_gzip": False,
+                                               "torch_profiler_dump_cuda_time_total": False,
+                                               "max_iterations": steps})
+    print(f"[profile {tag}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
     _run_workload(llm, workload, 0.0, seed=99)  # with --maps as in run_phase: metrics runs, a maps warm-up,
     _run_workload(llm, workload, maps_fraction, seed=98)  # then the run profiled
     llm.start_profile()
@@ -280,6 +288,8 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, m
     llm.stop_profile()
     time.sleep(10)
     traces = sorted(prof_dir.rglob("*.pt.trace.json*"), key=lambda p: p.stat().st_size)
+    print(f"[profile {tag}] run and trace done at {time.perf_counter() - t0:.0f} s: "
+          f"{[(t.name, t.stat().st_size) for t in traces]}", flush=True)
     text = f"# {tag} {workload}: {res['output_tokens_per_s']:.0f} tok/s under vLLM's profiler\n\n"
     if traces:
         text += trace_gaps.analyse(trace_gaps.load(str(traces[-1])))
@@ -469,6 +479,8 @@ def main(argv=None) -> int:
                     help="the same through vLLM's profiler, in the multiprocess engine core")
     ap.add_argument("--stacks", action="store_true", help="with --engine-profile: record Python stacks (slow)")
     ap.add_argument("--maps", action="store_true", help="with --engine-profile: profile the maps-for-1%% run")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="with --engine-profile: trace only this many engine steps (0: the whole run)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     MODEL[0] = args.model
@@ -479,8 +491,10 @@ def main(argv=None) -> int:
             ap.error(f"--env takes ATTN_OTEL_NAME=VALUE, not {kv!r}")
         EXTRA_ENV[key] = value
     if args.engine_profile:
+        if args.profile_steps < 0:
+            ap.error("--profile-steps takes 0 (the whole run) or a number of steps")
         engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0], args.stacks,
-                       0.01 if args.maps else 0.0)
+                       0.01 if args.maps else 0.0, args.profile_steps)
         return 0
     if args.profile:
         profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0])
