@@ -171,6 +171,36 @@ def _run_workload(llm, name: str, maps_fraction: float, seed: int):
             "cpu_s": cpu}  # CPU seconds in the run, by process/thread (the busiest)
 
 
+STATS_WAIT_S = 1.5  # the engine core rewrites its stats file every second (attn_otel.capture)
+DEVICE_PARTS = ("stream_device_s", "stream_direct_device_s", "finish_device_s")
+
+
+def _latest_stats(stats_dir: Path) -> dict:
+    """The engine core's capture stats as last written (``{}`` before the first)."""
+    files = sorted(stats_dir.glob("attn-otel-stats-*.json"))
+    try:
+        return json.loads(files[-1].read_text()) if files else {}
+    except (OSError, ValueError):  # replaced atomically, so only a file gone since the glob
+        return {}
+
+
+def capture_delta(before: dict, after: dict, serving_s: float) -> dict:
+    """What the capture did between two stats snapshots of one engine over ``serving_s`` seconds of serving:
+    attn-otel's GPU time (its kernels, timed with CUDA events) by part and in all, as a share of the serving
+    time, its host time on the engine loop, and the captures stored and dropped."""
+    def num(d: dict, k: str) -> float:
+        return float(d.get(k) or 0.0)
+
+    parts = {k: num(after, k) - num(before, k) for k in DEVICE_PARTS}
+    gpu = sum(parts.values())
+    host = sum((after.get("step_host_s") or {}).values()) - sum((before.get("step_host_s") or {}).values())
+    was = before.get("dropped") or {}
+    dropped = {r: n - was.get(r, 0) for r, n in (after.get("dropped") or {}).items() if n - was.get(r, 0)}
+    return {"serving_s": serving_s, **parts, "gpu_s": gpu, "gpu_share": gpu / serving_s if serving_s > 0 else None,
+            "host_s": host, "host_share": host / serving_s if serving_s > 0 else None,
+            "stored": int(num(after, "stored") - num(before, "stored")), "dropped": dropped}
+
+
 def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-{phase}-"))
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
@@ -202,13 +232,23 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
               "kv_cache_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
               "kv_write": kv_write}
+    before = _latest_stats(stats_dir)
     for wl in wls:
-        _run_workload(llm, wl, 0.0, seed=99)  # warm-up (prefix cache stays cold: other seeds below)
+        warm = _run_workload(llm, wl, 0.0, seed=99)  # warm-up (prefix cache stays cold: other seeds below)
         runs = [_run_workload(llm, wl, 0.0, seed=s) for s in range(repeats)]
         best = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
         result["runs"][wl] = best | {"all_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
         print(f"[{phase}] {wl}: {best['output_tokens_per_s']:.0f} tok/s "
               f"(runs {[round(r['output_tokens_per_s']) for r in runs]})", flush=True)
+        if PHASE_ENV[phase]:  # this workload's share of the capture stats (the warm-up's included)
+            time.sleep(STATS_WAIT_S)
+            after = _latest_stats(stats_dir)
+            delta = capture_delta(before, after, warm["wall_s"] + sum(r["wall_s"] for r in runs))
+            result["runs"][wl]["capture_delta"] = delta
+            result["capture"] = after  # so far: the end of the phase replaces it
+            before = after
+            print(f"[{phase}] {wl}: attn-otel GPU time {delta['gpu_s']:.2f} s, {delta['gpu_share'] or 0:.1%} of "
+                  f"{delta['serving_s']:.0f} s serving", flush=True)
         (out / f"phase-{phase}.json").write_text(json.dumps(result, indent=1))  # kept if a later workload dies
     del llm
     gc.collect()
@@ -389,6 +429,10 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
         wls[wl] = {"ratios": {c: ratio(p, wl) for c, p in configs.items()},
                    "off_tokens_per_s": off.get("runs", {}).get(wl, {}).get("output_tokens_per_s"),
                    "shape": workloads.summary(wl)}
+        shares = {c: phases.get(p, {}).get("runs", {}).get(wl, {}).get("capture_delta", {}).get("gpu_share")
+                  for c, p in configs.items()}
+        if any(v is not None for v in shares.values()):  # phases since run 28: attn-otel's GPU time per workload
+            wls[wl]["gpu_share"] = shares
     if "off" in onl:
         o = onl["off"]["runs"]
         entry = {"ratios": {}, "rate_req_s": online.LOAD * onl["off"]["capacity_req_s"],

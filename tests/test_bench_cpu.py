@@ -55,3 +55,61 @@ def test_a_thread_name_longer_than_the_os_allows_is_cut_not_refused():
     t.start()
     t.join()
     assert names["comm"] == "attn-otel-a-ver"  # 15 bytes
+
+
+def test_a_workloads_capture_delta_is_the_difference_of_two_engine_snapshots(tmp_path):
+    import json
+
+    from attn_otel.stats import write_stats_file
+
+    # run 28's all-layers phase: the engine core's last snapshot, as its stats file held it
+    final = json.loads((Path(__file__).resolve().parent.parent / "docs/benchmarks/phase-all.json").read_text())["capture"]
+    assert overhead._latest_stats(tmp_path) == {}
+    write_stats_file(str(tmp_path), final)
+    assert overhead._latest_stats(tmp_path) == final
+
+    whole = overhead.capture_delta({}, final, 271.0)
+    gpu = final["stream_device_s"] + final["stream_direct_device_s"] + final["finish_device_s"]
+    assert whole["gpu_s"] == pytest.approx(gpu) and whole["gpu_share"] == pytest.approx(gpu / 271.0)
+    assert 0.05 < whole["gpu_share"] < 0.12  # the 8.2% overhead.md reports
+    assert whole["host_s"] == pytest.approx(sum(final["step_host_s"].values()))
+    assert whole["stored"] == final["stored"] and whole["dropped"] == {}
+
+    half = {**final, "stream_device_s": final["stream_device_s"] / 2, "finish_device_s": 0.0,
+            "stream_direct_device_s": final["stream_direct_device_s"] - 1.0, "stored": final["stored"] - 100,
+            "step_host_s": {k: v / 2 for k, v in final["step_host_s"].items()}, "dropped": {"queue_full": 1}}
+    after = {**final, "dropped": {"queue_full": 3, "shutdown": 1}}
+    d = overhead.capture_delta(half, after, 100.0)
+    want = final["stream_device_s"] / 2 + final["finish_device_s"] + 1.0
+    assert d["gpu_s"] == pytest.approx(want) and d["gpu_share"] == pytest.approx(want / 100.0)
+    assert d["finish_device_s"] == pytest.approx(final["finish_device_s"]) and d["stream_direct_device_s"] == pytest.approx(1.0)
+    assert d["host_s"] == pytest.approx(sum(final["step_host_s"].values()) / 2)
+    assert d["stored"] == 100 and d["dropped"] == {"queue_full": 2, "shutdown": 1}
+    assert overhead.capture_delta(final, final, 0.0)["gpu_share"] is None
+
+
+def test_the_report_merges_the_phase_files_in_the_issues_schema(tmp_path):
+    import json
+    import shutil
+
+    bench_docs = Path(__file__).resolve().parent.parent / "docs/benchmarks"
+    for name in ("phase-off.json", "phase-default.json", "phase-all.json", "online-off.json", "online-default.json"):
+        shutil.copy(bench_docs / name, tmp_path / name)
+    phases = {p: json.loads((tmp_path / f"phase-{p}.json").read_text()) for p in ("off", "default", "all")}
+    d = phases["default"]  # a workload measured since run 28 carries its share of the capture stats
+    d["runs"]["mixed"]["capture_delta"] = overhead.capture_delta({}, d["capture"], 100.0)
+    (tmp_path / "phase-default.json").write_text(json.dumps(d))
+    doc = overhead.report(tmp_path)
+    for wl in ("512+256", "8k+128", "mixed", "kv_bound"):
+        for config, phase in (("default", "default"), ("all_layers", "all")):
+            want = phases[phase]["runs"][wl]["output_tokens_per_s"] / phases["off"]["runs"][wl]["output_tokens_per_s"]
+            assert doc["workloads"][wl]["ratios"][config] == pytest.approx(want)
+    assert doc["kv_capacity"]["all_layers"] == pytest.approx(
+        phases["all"]["kv_cache_tokens"] / phases["off"]["kv_cache_tokens"])
+    assert doc["workloads"]["mixed"]["gpu_share"] == {"default": pytest.approx(d["runs"]["mixed"]["capture_delta"]["gpu_share"]),
+                                                     "all_layers": None}
+    assert "gpu_share" not in doc["workloads"]["512+256"]
+    online = doc["workloads"]["online"]
+    assert online["ttft_p99_ratio"] > 0 and online["itl_p99_ratio"] > 0 and online["ratios"]["all_layers"] is None
+    assert json.loads((tmp_path / "overhead.json").read_text())["workloads"]["mixed"]["ratios"] == doc["workloads"]["mixed"]["ratios"]
+    assert (tmp_path / "overhead.png").stat().st_size > 10_000 and "| mixed |" in (tmp_path / "overhead-table.md").read_text()
