@@ -696,7 +696,8 @@ def _fp8_terms(layer) -> tuple[float, str | None]:
 
 def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = None):
     """Split the captured layers into map layers (Q/K tap) and streamed ones (attn_otel.stream): returns
-    (map layers of the whole model, streamed specs, keys from vLLM's cache?, ring rows).  ``stream_local``:
+    (map layers of the whole model, streamed specs, keys from vLLM's cache?, ring rows, direct rows' threshold
+    or None: :func:`_ring_rows`).  ``stream_local``:
     whether windowed and chunked layers are streamed (None: as the KV-budget sizing chose for this runner,
     ``_scale_available_memory``; streamed where it did not run)."""
     from .config import resolve_map_layers
@@ -727,8 +728,8 @@ def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = N
                            "Q/K tap", [s.index for s in odd], first.index)
             streamed = [s for s in streamed if s not in odd]
     from_cache = bool(streamed) and _keys_from_cache([layers[s.name] for s in streamed], runner.device.type)
-    rows = _ring_rows(runner, config, streamed)[0]
-    return maps, streamed, from_cache, rows
+    rows, direct = _ring_rows(runner, config, streamed)
+    return maps, streamed, from_cache, rows, direct
 
 
 def _ring_rows(runner, config, streamed, available: int | None = None) -> tuple[int, int | None]:
@@ -801,8 +802,8 @@ def _scale_available_memory(orig, worker, *args, **kwargs):
             kv_per_token += spec.page_size_bytes / spec.block_size
         dtype = _model_dtype(runner)
         runner._attn_otel_kv_available = int(available)  # ATTN_OTEL_STREAM_DIRECT=auto weighs the ring against it
-        maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, _parallel(runner, config, specs),
-                                                 stream_local=True)
+        maps, streamed, from_cache, rows, _ = _plan(runner, config, specs, layers, _parallel(runner, config, specs),
+                                                    stream_local=True)
         cache_config = getattr(getattr(runner, "vllm_config", None), "cache_config", None)
         block_size = int(getattr(cache_config, "block_size", None) or 16)  # the spill blocks' (attn_otel.spill)
         b = kv_budget(available, kv_per_token, specs, maps, streamed, from_cache, rows, dtype, _takes_images(runner),
@@ -871,7 +872,7 @@ def _install(runner, kv_cache_config) -> None:
     backend = type(layers[specs[0].name].impl).__name__
     par = _parallel(runner, config, specs)
     dtype = _model_dtype(runner)
-    maps, streamed, from_cache, rows = _plan(runner, config, specs, layers, par)
+    maps, streamed, from_cache, rows, direct_min = _plan(runner, config, specs, layers, par)
     stream = None
     if streamed:
         from .spill import spill_slots
@@ -894,7 +895,7 @@ def _install(runner, kv_cache_config) -> None:
         stream = MetricsStream(streamed, num_slots, rows, dtype, runner.device, block_sizes[streamed[0].group],
                                config.sink_tokens, keys, vision=_takes_images(runner), spill_slots=spill)
         stream.defer_flush = config.after_launch  # its flush at half the ring after the forward's launch
-        stream.direct.min = _ring_rows(runner, config, streamed)[1]  # prefill chunks' rows in the forward
+        stream.direct.min = direct_min  # prefill chunks' rows in the forward (None: every token through the ring)
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
