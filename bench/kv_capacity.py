@@ -87,13 +87,16 @@ def before(available, kv, captured, maps, rows, dtype, map_rows) -> tuple[int, i
     return int(max(0, available - fixed) * kv / (kv + tap)), tap, fixed
 
 
-def runner_of(step: int, seqs: int, dtype: torch.dtype) -> SimpleNamespace:
+def runner_of(step: int, seqs: int, dtype: torch.dtype, spec_tokens: int = 0, mixed: str = "PIECEWISE"
+              ) -> SimpleNamespace:
     """What the engine's ring sizing (``vllm_adapter._ring_rows``) reads of vLLM's runner: the scheduler's
-    limits, PIECEWISE graphs for mixed batches (vLLM 0.26's default), no speculative decoding."""
-    mode = SimpleNamespace(mixed_mode=lambda: SimpleNamespace(name="PIECEWISE"))
+    limits, the CUDA-graph mode of mixed batches (vLLM 0.26's default: PIECEWISE) and the speculative tokens
+    (none by default).  (tests/test_config.py checks the sizing rule on the same stand-in.)"""
+    mode = SimpleNamespace(mixed_mode=lambda: SimpleNamespace(name=mixed))
     return SimpleNamespace(vllm_config=SimpleNamespace(
         scheduler_config=SimpleNamespace(max_num_batched_tokens=step, max_num_seqs=seqs),
-        compilation_config=SimpleNamespace(cudagraph_mode=mode), speculative_config=None,
+        compilation_config=SimpleNamespace(cudagraph_mode=mode),
+        speculative_config=SimpleNamespace(num_speculative_tokens=spec_tokens) if spec_tokens else None,
         model_config=SimpleNamespace(dtype=dtype)))
 
 

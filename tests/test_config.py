@@ -165,16 +165,16 @@ def test_after_launch_says_whether_and_where(raw, on, at):
 
 
 def _runner(step, seqs, spec_tokens=0, mixed="PIECEWISE"):
-    from types import SimpleNamespace
+    """The stand-in for vLLM's runner that bench/kv_capacity.py sizes the ring with."""
+    import sys
+    from pathlib import Path
 
     import torch
 
-    mode = SimpleNamespace(mixed_mode=lambda: SimpleNamespace(name=mixed))
-    return SimpleNamespace(vllm_config=SimpleNamespace(
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=step, max_num_seqs=seqs),
-        compilation_config=SimpleNamespace(cudagraph_mode=mode),
-        speculative_config=SimpleNamespace(num_speculative_tokens=spec_tokens) if spec_tokens else None,
-        model_config=SimpleNamespace(dtype=torch.bfloat16)))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from kv_capacity import runner_of
+
+    return runner_of(step, seqs, torch.bfloat16, spec_tokens, mixed)
 
 
 def _llama_layers(n):
