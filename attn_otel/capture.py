@@ -111,7 +111,7 @@ class CaptureEngine:
     @property
     def finish_device_s(self) -> float:
         """Device time of the batched finish-time work (metrics-only captures), as far as completed."""
-        return self.batched.device_s
+        return self.batched.timer.seconds
 
     def warm_up(self) -> None:
         """Compile the Triton kernels the finish path and the stream's flushes launch, for the shapes a text

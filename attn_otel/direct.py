@@ -29,6 +29,7 @@ import torch
 
 from . import triton_metrics
 from .slots import slots_many
+from .timing import DeviceTimer
 
 
 @dataclasses.dataclass
@@ -56,8 +57,7 @@ class DirectRows:
         self.plan: _Plan | None = None
         self.ring_index: torch.Tensor | None = None  # this forward's ring row per token (-1: padding row)
         self.computed = self.steps = self.replayed = 0  # rows computed in forwards; their steps; plans replayed
-        self._device_s = 0.0
-        self._timing: list = []  # (first layer's start, last layer's end) events of each forward's direct rows
+        self.timer = DeviceTimer()  # each layer's launch of the direct rows' kernel
 
     # ------------------------------------------------------------------ engine loop, before a forward
     def take(self, lives: list, head: int, total: int) -> tuple[list, int]:
@@ -154,24 +154,15 @@ class DirectRows:
             q = q.unflatten(1, (spec.num_heads, spec.head_dim))
         if q.stride(-1) != 1 or q.dtype != st.q.dtype:
             q = q.to(st.q.dtype).contiguous()
-        timed = q.device.type == "cuda"
-        if timed:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
+        started = self.timer.start(q.device)
         st.kernels.run_direct(li, q, plan.args, st.ring_of_slot, plan.slots)
-        if timed:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._timing.append((start, end))
+        self.timer.stop(started)
 
     @property
     def device_s(self) -> float:
         """Device time of the direct rows' kernels (each layer's launch), as far as completed; read without a
         sync."""
-        while self._timing and self._timing[0][1].query():
-            a, b = self._timing.pop(0)
-            self._device_s += a.elapsed_time(b) / 1000.0
-        return self._device_s
+        return self.timer.seconds
 
     # ------------------------------------------------------------------ engine loop, after the launch
     def settle(self) -> None:

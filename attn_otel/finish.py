@@ -24,6 +24,7 @@ from .slots import slots_of, upload, upload_many
 from .stats import Stats, WarnOnce
 from .stream import MetricsStream
 from .tap import LayerSpec, QKTap
+from .timing import DeviceTimer
 
 FINISH_CHUNK_BYTES = 512 << 20  # per-row metrics of a step's finished requests on the device, per launch
 
@@ -123,8 +124,7 @@ class BatchedMetrics:
         self.stats = stats
         self.warn = warn
         self.device = device
-        self.device_s = 0.0  # device time of the batched finish-time work, as far as completed
-        self._timing: list = []
+        self.timer = DeviceTimer()  # device time of the batched finish-time work
 
     def admit(self, plan: Plan) -> bool:
         """Reserve the device bytes of ``plan``'s rows (or summary); False: dropped and counted."""
@@ -165,11 +165,7 @@ class BatchedMetrics:
 
     def _chunk(self, batch: list[Plan]) -> None:
         t0 = time.perf_counter()
-        while self._timing and self._timing[0][1].query():  # completed: never a sync
-            a, b = self._timing.pop(0)
-            self.device_s += a.elapsed_time(b) / 1000.0
-        started = torch.cuda.Event(enable_timing=True)
-        started.record()
+        started = self.timer.start(self.device)
         layers = self.layers
         H = max(s.num_heads for s in layers)
         Ts = [plan.T for plan in batch]
@@ -262,9 +258,7 @@ class BatchedMetrics:
             for i, t in tokens_dev:
                 tok_host[i] = host_ids[off:off + t.shape[0]]
                 off += t.shape[0]
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self._timing.append((started, event))
+        event = self.timer.stop(started)
         loop = time.perf_counter() - t0
         for i, (plan, rec) in enumerate(zip(batch, records)):
             keep = [li for li, spec in enumerate(layers) if spec in plan.layers]

@@ -47,6 +47,7 @@ from .attention import KERNEL_METRICS, METRICS, attention_metrics, metric_width
 from .direct import DirectRows, _prompt_and_vision, _row_slots
 from .slots import slots_many, upload, upload_many
 from .spill import SpillBlocks, spill_base
+from .timing import DeviceTimer
 
 logger = logging.getLogger("attn_otel")
 
@@ -633,18 +634,13 @@ class FlushKernels:
             offs = triton_metrics.key_offsets(caches)
             if offs is not None:
                 self._layered = (caches, torch.tensor(offs, dtype=torch.int64, device=device))
-        self.device_s = 0.0  # device time of the flush kernels (and their uploads), as far as completed
-        self._timing: list = []
+        self.timer = DeviceTimer()  # device time of the flush kernels (and their uploads)
 
     def run_fused(self, firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts, table: torch.Tensor) -> None:
         """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``);
         its pending rows are its last ``counts[b]`` positions, whose ring rows the kernel reads from ``table``
         (slot -> ring row, on the device) at their slots."""
-        timed = self.device.type == "cuda"
-        if timed:
-            self._poll_timing()
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
+        started = self.timer.start(self.device)
         cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, vm_d, vc_d = self.upload(
             firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts)
         if self._layered is not None:  # every layer in one launch
@@ -660,10 +656,12 @@ class FlushKernels:
                     self.q[li], None, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                     max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li],
                     terms=triton_metrics.terms([spec], self.device), rows=self.rows, row_table=table)
-        if timed:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._timing.append((start, end))
+        self.timer.stop(started)
+
+    @property
+    def device_s(self) -> float:
+        """Device time of the flush kernels (and their uploads), as far as completed."""
+        return self.timer.seconds
 
     def upload(self, firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts, extra=()) -> list:
         """A launch's per-request arrays on the device, in one copy: cu_rows, firsts, key slots, cu_keys, prompt
@@ -693,12 +691,6 @@ class FlushKernels:
         firsts, counts, starts, key_slots, prompt, vm_parts = args
         rows = table.index_select(0, slots).cpu().numpy()
         self.run_torch(firsts, counts, rows, starts, key_slots, prompt, vm_parts, source=q, layers=[spec])
-
-    def _poll_timing(self) -> None:
-        """Device time of the flushes (CUDA events, read once they completed: never a sync)."""
-        while self._timing and self._timing[0][1].query():
-            a, b = self._timing.pop(0)
-            self.device_s += a.elapsed_time(b) / 1000.0
 
     def run_torch(self, firsts, counts, rows_np, starts, key_slots, prompt, vm_parts, source=None,
                   layers=None) -> None:
