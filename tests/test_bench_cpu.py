@@ -91,6 +91,7 @@ def test_a_workloads_capture_delta_is_the_difference_of_two_engine_snapshots(tmp
 def test_the_report_merges_the_phase_files_in_the_issues_schema(tmp_path):
     import json
     import shutil
+    import statistics
 
     bench_docs = Path(__file__).resolve().parent.parent / "docs/benchmarks"
     for name in ("phase-off.json", "phase-default.json", "phase-all.json", "online-off.json", "online-default.json"):
@@ -111,5 +112,8 @@ def test_the_report_merges_the_phase_files_in_the_issues_schema(tmp_path):
     assert "gpu_share" not in doc["workloads"]["512+256"]
     online = doc["workloads"]["online"]
     assert online["ttft_p99_ratio"] > 0 and online["itl_p99_ratio"] > 0 and online["ratios"]["all_layers"] is None
+    runs = {p: json.loads((tmp_path / f"online-{p}.json").read_text())["runs"] for p in ("off", "default")}
+    med = {p: statistics.median(r["tpot_p50_s"] for r in runs[p]) for p in runs}  # TPOT: the tokens' pace a request sees
+    assert online["tpot_p50_ratio"]["default"] == pytest.approx(med["default"] / med["off"])
     assert json.loads((tmp_path / "overhead.json").read_text())["workloads"]["mixed"]["ratios"] == doc["workloads"]["mixed"]["ratios"]
     assert (tmp_path / "overhead.png").stat().st_size > 10_000 and "| mixed |" in (tmp_path / "overhead-table.md").read_text()

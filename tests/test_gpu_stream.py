@@ -73,6 +73,8 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
                "stream_flushes": engine.stream.flushes, "stream_flushed_rows": engine.stream.flushed_rows,
                "stream_direct_rows": engine.stream.direct.computed, "stream_direct_replayed": engine.stream.direct.replayed,
                "stats": stats}
+    snap = engine.stats_snapshot()  # CUDA-event device times (attn_otel.timing.DeviceTimer), read once completed
+    results["device_s"] = {k: snap[k] for k in ("stream_device_s", "stream_direct_device_s", "finish_device_s")}
     rows = Calibrated()  # per-row metrics (ATTN_OTEL_GPU_ROWS=all)
     summaries = Calibrated()  # the device's summaries (the default)
     for out, t in runs:
@@ -121,9 +123,11 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
     assert results["prefix_cached_tokens"] >= 200
     assert results["preemptions"] > 0, "the 96-block cache was meant to force preemptions"
     assert results["stream_flushes"] > 10
+    assert results["device_s"]["stream_device_s"] > 0, results["device_s"]  # the flushes' kernels were timed
     if os.environ.get("ATTN_OTEL_STREAM_DIRECT", "1") == "1":  # prefill chunks' rows in the forward, after each
         # streamed layer's attention (PIECEWISE: eager there), decode rows through the ring written in the graphs
         assert engine.stream.direct.computed > 0 and engine.stream.direct.replayed == 0
+        assert results["device_s"]["stream_direct_device_s"] > 0, results["device_s"]
     else:
         assert engine.stream.direct.computed == 0
     assert rows.err or summaries.err

@@ -60,15 +60,17 @@ def test_ratios_pooled_and_paired_by_seed_are_numpys(tmp_path):
 
 
 def test_the_current_reports_online_figures_come_back_from_its_raw_call(tmp_path):
-    """overhead.json's online row is run 26b's two default servers pooled against its off."""
+    """overhead.json's online row is run 29a's call: off, the default and all layers on one machine."""
     a = online_report.analyse(*online_report.from_collection(
-        ROOT / "docs" / "benchmarks" / "online-ab-2026-11-26.json", "26b"))
+        ROOT / "docs" / "benchmarks" / "online-ab-2026-11-27.json", "29a"))
     online = json.loads((ROOT / "docs" / "benchmarks" / "overhead.json").read_text())["workloads"]["online"]
     got = a["configs"]["default"]["ratio"]
     assert got["itl_p99_s"] == pytest.approx(online["itl_p99_ratio"], rel=1e-9)
     assert got["ttft_p99_s"] == pytest.approx(online["ttft_p99_ratio"], rel=1e-9)
     assert got["goodput_req_s"] == pytest.approx(online["goodput_req_ratio"]["default"], rel=1e-9)
-    assert a["configs"]["default"]["runs"] == 12 and a["configs"]["before"]["servers"] == 2
+    all_layers = online["by_config"]["all_layers"]["itl_p99_s"] / online["off"]["itl_p99_s"]
+    assert a["configs"]["all"]["ratio"]["itl_p99_s"] == pytest.approx(all_layers, rel=1e-9)
+    assert a["configs"]["default"]["runs"] == 3 and a["configs"]["all"]["servers"] == 1
     assert all(r["dropped"] == 0 and r["slo_met"] == 1.0 for r in a["servers"])
 
 
