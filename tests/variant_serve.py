@@ -39,17 +39,27 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
     from attn_otel import vllm_adapter
     from attn_otel.ids import new_span_id, new_trace_id
 
+    import torch
+
+    config = json.loads((Path(model) / "config.json").read_text())
     # the CPU build's chunked local attention (Llama 4) wants blocks of 32, which divide the chunk
-    chunked = json.loads((Path(model) / "config.json").read_text()).get("attention_chunk_size")
+    chunked = config.get("attention_chunk_size")
     # on the GPU machine TEST_ATTENTION_BACKEND picks vLLM's attention backend (FLASH_ATTN, TRITON_ATTN, FLASHINFER)
     # and TEST_KV_DTYPE the KV cache's format (auto, fp8, fp8_e4m3, fp8_e5m2)
     backend = os.environ.get("TEST_ATTENTION_BACKEND") or None
+    if backend is None and config.get("kv_lora_rank") and not torch.cuda.is_available():
+        # MLA on the CPU build: its reference backend (CPUMLAImpl, blocks of 16) on every host.  Where the CPU has
+        # AMX tiles vLLM would pick AMX_MLA, which takes blocks of 32 only, and these tests' block size of 16 would
+        # not start (seen on a Sapphire Rapids CI host, 2026-11-27).
+        backend = "CPU_MLA"
     kv_dtype = os.environ.get("TEST_KV_DTYPE", "auto")
     # --spec: ngram speculative decoding (3 draft tokens a step).  A random model's next token depends mostly on
     # the last one, so matching a single earlier token (prompt_lookup_min=1) drafts often and is sometimes right.
     # --spec=mtp: the model's own multi-token-prediction layer drafts (variant_models.build_deepseek_mtp)
     proposer = ({"method": "mtp", "num_speculative_tokens": 2} if spec == "mtp" else
                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    if spec == "mtp" and backend == "CPU_MLA":  # the draft picks its own backend unless told (vLLM 0.32)
+        proposer["attention_backend"] = backend
     extra = {"speculative_config": proposer, "disable_log_stats": False} if spec else {}
     # The CPU build turns chunked prefill off for MLA after the speculative config capped the step at 32 tokens:
     # a longer prompt would then never be scheduled (vLLM hangs, with or without attn-otel), so MTP gets 512
@@ -66,8 +76,6 @@ def main(model: str, store: str, out_json: str, num_blocks: int, spec: str = "",
     # The KV-cache budget that attn-otel's start-up sizing divides (tap.kv_budget) is 1 GiB on both machines: the
     # CPU build's VLLM_CPU_KVCACHE_SPACE above, the GPU's kv_cache_memory_bytes (else most of an H100, on which
     # every choice the sizing makes comes out otherwise).  num_blocks still fixes the blocks vLLM allocates.
-    import torch
-
     budget = {"kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=step,
               max_num_seqs=8, enable_prefix_caching=True, seed=0, block_size=32 if chunked else 16,
