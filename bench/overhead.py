@@ -173,6 +173,10 @@ def _run_workload(llm, name: str, maps_fraction: float, seed: int):
 
 STATS_WAIT_S = 1.5  # the engine core rewrites its stats file every second (attn_otel.capture)
 DEVICE_PARTS = ("stream_device_s", "stream_direct_device_s", "finish_device_s")
+# The online report: each configuration's medians over its runs (and capture off's), and the ratios to off's
+ONLINE_MEDIANS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s",
+                  "tpot_p99_s", "goodput_req_s", "slo_met", "complete")
+ONLINE_RATIOS = ("ttft_p99_s", "itl_p99_s", "goodput_req_s", "ttft_p50_s", "itl_p50_s", "tpot_p50_s", "tpot_p99_s")
 
 
 def _latest_stats(stats_dir: Path) -> dict:
@@ -435,6 +439,10 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
             wls[wl]["gpu_share"] = shares
     if "off" in onl:
         o = onl["off"]["runs"]
+
+        def medians(runs):  # tpot: runs since the usage-counted client (2026-11-25)
+            return {k: _median(runs, k) for k in ONLINE_MEDIANS if all(k in r for r in runs)}
+
         entry = {"ratios": {}, "rate_req_s": online.LOAD * onl["off"]["capacity_req_s"],
                  "capacity_req_s": onl["off"]["capacity_req_s"], "slo": {"ttft_s": online.SLO_TTFT_S,
                                                                          "itl_s": online.SLO_ITL_S}}
@@ -444,20 +452,14 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
                 entry["ratios"][c] = None
                 continue
             entry["ratios"][c] = _median(runs, "output_tokens_per_s") / _median(o, "output_tokens_per_s")
-            for k in ("ttft_p99_s", "itl_p99_s", "goodput_req_s", "ttft_p50_s", "itl_p50_s", "tpot_p50_s",
-                      "tpot_p99_s"):
-                if all(k in r for r in (*runs, *o)):  # tpot: runs since the usage-counted client (2026-11-25)
+            for k in ONLINE_RATIOS:
+                if all(k in r for r in (*runs, *o)):
                     entry.setdefault(f"{k[:-2]}_ratio", {})[c] = _median(runs, k) / _median(o, k)
-            entry.setdefault("by_config", {})[c] = {k: _median(runs, k) for k in (
-                "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s",
-                "tpot_p99_s", "goodput_req_s", "slo_met", "complete") if all(k in r for r in runs)}
+            entry.setdefault("by_config", {})[c] = medians(runs)
         entry["ttft_p99_ratio"] = entry.get("ttft_p99_ratio", {}).get("default")
         entry["itl_p99_ratio"] = entry.get("itl_p99_ratio", {}).get("default")
         entry["device"] = onl["off"].get("device", device)
-        entry["off"] = {k: _median(o, k) for k in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
-                                                   "itl_p99_s", "tpot_p50_s", "tpot_p99_s", "goodput_req_s",
-                                                   "slo_met", "complete")
-                        if all(k in r for r in o)}
+        entry["off"] = medians(o)
         wls["online"] = entry
     kv = {c: (phases[p]["kv_cache_tokens"] / off["kv_cache_tokens"]) if p in phases and off else None
           for c, p in configs.items()}
