@@ -1,5 +1,7 @@
 import dataclasses
 import logging
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,7 @@ from attn_otel.config import (
 )
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # kv_capacity's runner stand-in
 
 
 # --- Config.from_env -----------------------------------------------------------------------------------
@@ -166,12 +169,7 @@ def test_after_launch_says_whether_and_where(raw, on, at):
 
 def _runner(step, seqs, spec_tokens=0, mixed="PIECEWISE"):
     """The stand-in for vLLM's runner that bench/kv_capacity.py sizes the ring with."""
-    import sys
-    from pathlib import Path
-
     import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from kv_capacity import runner_of
 
     return runner_of(step, seqs, torch.bfloat16, spec_tokens, mixed)
