@@ -56,6 +56,10 @@ class Stats:
         # where work after the launch ran, a count a time (ATTN_OTEL_AFTER_LAUNCH): "execute", "sample", "output",
         # or "next_step" (left by a step whose hook did not come back: run before the next step's forward)
         self.after_launch_at: collections.Counter[str] = collections.Counter()
+        # steps whose finished requests had their pending rows flushed and last blocks spilled (attn_otel.spill),
+        # by when: "after_launch" (the step's forward writes none of their blocks), or before the forward where it
+        # writes one ("reuse"), the step is empty ("idle") or ATTN_OTEL_AFTER_LAUNCH=0 ("before")
+        self.spill_at: collections.Counter[str] = collections.Counter()
 
     def add(self, field: str, n: int = 1, reason: str | None = None) -> None:
         with self._lock:
@@ -73,6 +77,7 @@ class Stats:
                                     "finish_batch_reasons": dict(self.finish_batch_reasons),
                                     "empty_steps": self.empty_steps,
                                     "after_launch_at": dict(self.after_launch_at),
+                                    "spill_at": dict(self.spill_at),
                                     "step_host_s": {k: round(v, 4) for k, v in self.step_parts.items()}}
             if percentiles:
                 for name in ("latencies", "write_latencies", "loop_times", "step_times", "finish_batch_times",

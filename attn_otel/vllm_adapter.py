@@ -906,6 +906,7 @@ def _install(runner, kv_cache_config) -> None:
     engine.tracker = RequestTracker()
     engine.deferred = DeferredFinish(config.finish_batch_steps)
     engine.after_launch = None  # (ids, records) of a finish batch left for after the forward's launch
+    engine.late_spill = None  # (done, records) of finished requests to spill after the forward's launch
     engine.shadow = None
     if shadowed:
         from .shadow import ShadowBlocks
@@ -1263,13 +1264,17 @@ def _after_output(orig, core, *args, **kwargs):
 def _run_after_launch(engine, where: str) -> None:
     """The stream's flush at half the ring and the finish batch :func:`_track` left (if any).  Never raises."""
     stream, work = engine.stream, getattr(engine, "after_launch", None)
-    if work is None and (stream is None or not stream.flush_due):
+    late = getattr(engine, "late_spill", None)
+    if work is None and late is None and (stream is None or not stream.flush_due):
         return
     engine.stats.add("after_launch_at", reason=where)
     t0 = time.perf_counter()
     try:
         if stream is not None:
             stream.after_launch()
+        if late is not None:  # after the half-ring flush, which may have computed their pending rows already
+            engine.late_spill = None
+            _late_spill(engine, *late)
         if work is not None:
             engine.after_launch = None
             _timed_finish_batch(engine, *work)
@@ -1284,7 +1289,8 @@ def _track(runner, engine, so, t0: float) -> None:
     from .tracking import FinishedRequest
 
     parts = engine.stats.step_parts  # engine-loop time by part (only this thread writes it)
-    if getattr(engine, "after_launch", None) is not None:  # left by a step whose forward never returned here
+    if (getattr(engine, "after_launch", None) is not None  # left by a step whose forward never returned here
+            or getattr(engine, "late_spill", None) is not None):
         _run_after_launch(engine, "next_step")
 
     tracker = engine.tracker
@@ -1325,15 +1331,14 @@ def _track(runner, engine, so, t0: float) -> None:
             if t is not None:
                 side.taken_back(t.block_ids, seq)
     deferred = engine.deferred
-    if stream is not None and stream.spill is not None and done:
-        finished = _spill_finished(engine, done, finished)
-    deferred.add(so.finished_req_ids, finished, any(t.maps for _, t in done))
+    spilling = stream is not None and stream.spill is not None and bool(done)
     t1 = time.perf_counter()
     parts["finished_rows"] += t1 - t0
     scheduled = so.num_scheduled_tokens
     items = []
     fresh: list = []  # blocks this step's requests may write that no earlier step gave them (see deferred.py)
-    holding = len(deferred) > 0  # (held requests only: the loops below run for every request of every step)
+    # (with requests held or finishing only: the loops below run for every request of every step)
+    holding = len(deferred) > 0 or bool(finished)
     for new in so.scheduled_new_reqs:
         sp = new.sampling_params
         n = scheduled.get(new.req_id, 0)
@@ -1356,7 +1361,18 @@ def _track(runner, engine, so, t0: float) -> None:
     empty = total is not None and not int(total)
     if empty and len(tracker):  # a step of no token while requests run (async scheduling makes a few)
         engine.stats.add("empty_steps")
-    if deferred.due(flat_blocks(fresh), empty):
+    fresh_flat = flat_blocks(fresh)
+    ids = so.finished_req_ids
+    if spilling:
+        t3 = time.perf_counter()
+        finished, late = _spill_now_or_later(engine, done, finished, fresh_flat, empty)
+        if late is not None:  # their ids join the held ones with their spilled records, after the launch
+            later = {d[0] for d in late[0]}
+            ids = [r for r in ids if r not in later]
+            engine.late_spill = late
+        parts["finished_rows"] += time.perf_counter() - t3
+    deferred.add(ids, finished, any(t.maps for _, t in done))
+    if deferred.due(fresh_flat, empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take()
         if engine.config.after_launch and not deferred.reused:  # this forward writes none of their blocks
@@ -1373,6 +1389,45 @@ def _track(runner, engine, so, t0: float) -> None:
         maptap.schedule(items)
     side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads
     parts["schedule"] += time.perf_counter() - t2
+
+
+def _spill_now_or_later(engine, done: list, finished: list, fresh, empty: bool) -> tuple[list, tuple | None]:
+    """The step's finished requests, spilled (:func:`_spill_finished`) before this step's forward where it
+    writes one of their blocks (``fresh``), the step is empty (nothing may come after it to take them) or
+    ``ATTN_OTEL_AFTER_LAUNCH=0``; otherwise left for after the forward's launch (``late``: ``(done, records)``
+    of those with a capture to make, taken out of ``finished``): their flush and block copy then come after this
+    forward on the capture stream, which reads nothing of theirs it writes, and the step's launch waits for
+    neither.  Their pending rows stay in the stream's count meanwhile, so its schedule keeps their ring rows."""
+    import numpy as np
+
+    why = "before" if not engine.config.after_launch else "idle" if empty else ""
+    if not why and fresh.size:
+        mine = flat_blocks(b for f in finished for b in f.block_ids)
+        if mine.size and np.isin(fresh, mine).any():
+            why = "reuse"
+    late = [i for i, (_, t) in enumerate(done) if not t.maps]  # one planned for maps: its batch is due now
+    if not late:  # none to spill (_spill_finished takes none planned for maps)
+        return finished, None
+    if why:
+        engine.stats.add("spill_at", reason=why)
+        return _spill_finished(engine, done, finished), None
+    engine.stats.add("spill_at", reason="after_launch")
+    keep = [f for i, f in enumerate(finished) if done[i][1].maps]
+    return keep, ([done[i] for i in late], [finished[i] for i in late])
+
+
+def _late_spill(engine, done: list, finished: list) -> None:
+    """After the forward's launch: the spill :func:`_spill_now_or_later` left, then the requests held for their
+    batch like any step's finished ones."""
+    ids = [r for r, _ in done]
+    try:
+        finished = _spill_finished(engine, done, finished)
+    except Exception:  # noqa: BLE001  (their captures are lost; the ids still go through the cleanups)
+        engine.stream.forget(ids)
+        engine.stats.add("dropped", len(done), reason="capture_error")
+        engine.warn_once("late-spill", "could not spill finished requests after the forward's launch", exc=True)
+        finished = []
+    engine.deferred.add(ids, finished, False)
 
 
 def _spill_finished(engine, done: list, finished: list) -> list:

@@ -103,6 +103,11 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert stats["step_host_s"]["after_launch"] > 0, stats["step_host_s"]
     at = stats["after_launch_at"]
     assert at.get("output", 0) > 0 and at.get("sample", 0) + at.get("execute", 0) <= 1, at
+    # finished requests' rows flushed and last blocks spilled after the launch where the step's forward writes
+    # none of their blocks, before it where it writes one (the 20-block cache reuses blocks at once) or it is empty
+    spill_at = stats["spill_at"]
+    assert spill_at.get("after_launch", 0) > 0 and spill_at.get("reuse", 0) > 0, spill_at
+    assert set(spill_at) <= {"after_launch", "reuse", "idle"}, spill_at
     # every batch of finished requests' work is timed (each generate() ends idle, which takes one at least)
     assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
     assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]
