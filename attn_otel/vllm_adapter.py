@@ -184,6 +184,8 @@ def _patch_scheduler() -> None:
         return
     _wrap(Scheduler, "_free_request", _note_finish_reason)
     _wrap(Scheduler, "schedule", _hand_over_finish_reasons)
+    if "_free_request_blocks" in vars(Scheduler):  # attn_otel.hold (none in a vLLM without it: nothing held)
+        _wrap(Scheduler, "_free_request_blocks", _hold_finished_blocks)
     _wrap(Scheduler, "finish_requests", _take_stop_marks)
     try:
         from vllm.v1.engine.output_processor import OutputProcessor
@@ -239,8 +241,70 @@ def _note_finish_reason(orig, scheduler, request, *args, **kwargs):
     return orig(scheduler, request, *args, **kwargs)
 
 
+def _block_hold(scheduler):
+    """The scheduler's :class:`attn_otel.hold.BlockHold`, made at its first finish; ``None`` where nothing is held:
+    ``ATTN_OTEL_AFTER_LAUNCH=0`` or ``ATTN_OTEL_FINISH_BATCH_STEPS=0`` (the worker then does the finish work
+    before the forward anyway), or a KV connector that defers vLLM's own frees."""
+    hold = scheduler.__dict__.get("_attn_otel_hold", False)
+    if hold is not False:
+        return hold
+    hold = None
+    try:
+        from .config import Config
+        from .hold import BlockHold, margin_blocks
+
+        if not _ARRIVAL_CONFIG:
+            _ARRIVAL_CONFIG.append(Config.from_env())
+        config = _ARRIVAL_CONFIG[0]
+        if config.after_launch and config.finish_batch_steps > 0 and not getattr(scheduler, "defer_block_free", False):
+            groups = scheduler.kv_cache_config.kv_cache_groups
+            sizes = [int(g.kv_cache_spec.block_size) for g in groups] or [int(scheduler.block_size)]
+            hold = BlockHold(margin_blocks(
+                scheduler.max_model_len, scheduler.max_num_scheduled_tokens, scheduler.max_num_running_reqs,
+                min(sizes), len(sizes), getattr(scheduler.kv_cache_manager, "watermark_blocks", 0)))
+    except Exception:  # noqa: BLE001 - vLLM frees as it would without attn-otel
+        logger.warning("attn-otel: finished requests' blocks are not held for a step (their capture work then "
+                       "comes before the next forward)", exc_info=True)
+    scheduler.__dict__["_attn_otel_hold"] = hold
+    return hold
+
+
+def _hold_finished_blocks(orig, scheduler, request, *args, **kwargs):
+    """``Scheduler._free_request_blocks`` (a finished request's blocks back to the pool): the uncached ones held
+    for a step where the pool has room (attn_otel.hold)."""
+    hold = _block_hold(scheduler)
+    if hold is None or getattr(scheduler, "defer_block_free", False):
+        return orig(scheduler, request, *args, **kwargs)
+    manager = scheduler.kv_cache_manager
+    try:
+        blocks = manager.pop_blocks_for_free(request)
+    except Exception:  # noqa: BLE001
+        return orig(scheduler, request, *args, **kwargs)
+    try:
+        hold.free(manager.block_pool, blocks)
+    except Exception:  # noqa: BLE001 - never a failed finish: vLLM's own free of what is not given back yet
+        logger.warning("attn-otel: could not hold a finished request's blocks", exc_info=True)
+        scheduler.__dict__["_attn_otel_hold"] = None
+        try:
+            manager.block_pool.free_blocks(reversed([b for b in blocks if getattr(b, "ref_cnt", 0) > 0]))
+        except Exception:  # noqa: BLE001
+            logger.warning("attn-otel: a finished request's blocks could not be freed", exc_info=True)
+    return None
+
+
 def _hand_over_finish_reasons(orig, scheduler, *args, **kwargs):
+    hold = scheduler.__dict__.get("_attn_otel_hold")
+    if hold:
+        try:
+            hold.before_schedule(scheduler.kv_cache_manager.block_pool)
+        except Exception:  # noqa: BLE001
+            logger.warning("attn-otel: could not give held blocks back", exc_info=True)
     out = orig(scheduler, *args, **kwargs)
+    if hold:
+        try:
+            hold.after_schedule(scheduler.kv_cache_manager.block_pool, int(out.total_num_scheduled_tokens))
+        except Exception:  # noqa: BLE001
+            logger.warning("attn-otel: could not give held blocks back", exc_info=True)
     for key, attr in (("_attn_otel_reasons", _REASONS), ("_attn_otel_outputs", _OUTPUTS),
                       ("_attn_otel_lengths", _LENGTHS)):
         noted = scheduler.__dict__.get(key)
@@ -1363,6 +1427,7 @@ def _track(runner, engine, so, t0: float) -> None:
         engine.stats.add("empty_steps")
     fresh_flat = flat_blocks(fresh)
     ids = so.finished_req_ids
+    spill_s = 0.0
     if spilling:
         t3 = time.perf_counter()
         finished, late = _spill_now_or_later(engine, done, finished, fresh_flat, empty)
@@ -1370,7 +1435,8 @@ def _track(runner, engine, so, t0: float) -> None:
             later = {d[0] for d in late[0]}
             ids = [r for r in ids if r not in later]
             engine.late_spill = late
-        parts["finished_rows"] += time.perf_counter() - t3
+        spill_s = time.perf_counter() - t3
+        parts["finished_rows"] += spill_s
     deferred.add(ids, finished, any(t.maps for _, t in done))
     if deferred.due(fresh_flat, empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
@@ -1380,7 +1446,7 @@ def _track(runner, engine, so, t0: float) -> None:
         else:
             _timed_finish_batch(engine, req_ids, batch)
     t2 = time.perf_counter()
-    parts["captures"] += t2 - t1
+    parts["captures"] += t2 - t1 - spill_s
     if shadow is not None:  # first: the others read the requests' blocks there
         shadow.schedule(items)
     if stream is not None:  # every token of the forward takes a ring row, captured or not

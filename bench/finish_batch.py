@@ -61,6 +61,7 @@ def phase(steps: int, n: int, out: Path) -> None:
               "finish_batches": engine.deferred.batches,
               "finish_batch_sizes": {q: snap["finish_batch_sizes"][q] for q in ("p50", "p90", "max")},
               "finish_batch_reasons": snap.get("finish_batch_reasons"), "empty_steps": snap.get("empty_steps"),
+              "spill_at": snap.get("spill_at"),
               "spilled_blocks": getattr(getattr(engine.stream, "spill", None), "spilled", None),
               "finish_batch_ms": {q: round(snap["finish_batch_times"][q] * 1e3, 3)
                                   for q in ("p50", "p90", "p99", "max")},
