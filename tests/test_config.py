@@ -149,6 +149,7 @@ def test_blank_store_falls_back_to_the_default():
     ("ATTN_OTEL_STORE_TOKENS", "maybe", "store_tokens"),
     ("ATTN_OTEL_KV_WRITE", "both", "kv_write"),
     ("ATTN_OTEL_AFTER_LAUNCH", "later", "after_launch_at"),
+    ("ATTN_OTEL_SPILL_AFTER_LAUNCH", "yes", "spill_after_launch"),
     ("ATTN_OTEL_STREAM_DIRECT", "yes", "stream_direct"),
 ])
 def test_bad_value_warns_and_falls_back(caplog, name, value, field):
@@ -165,6 +166,14 @@ def test_after_launch_says_whether_and_where(raw, on, at):
     config = Config.from_env({"ATTN_OTEL_AFTER_LAUNCH": raw})
     assert (config.after_launch, config.after_launch_at) == (on, at)
     assert (Config().after_launch, Config().after_launch_at) == (True, "execute")  # the default
+
+
+@pytest.mark.parametrize("env, on", [
+    ({}, False), ({"ATTN_OTEL_SPILL_AFTER_LAUNCH": "1"}, True), ({"ATTN_OTEL_SPILL_AFTER_LAUNCH": "0"}, False),
+    ({"ATTN_OTEL_SPILL_AFTER_LAUNCH": "1", "ATTN_OTEL_AFTER_LAUNCH": "0"}, False),  # it needs work after the launch
+])
+def test_spill_after_launch_is_off_unless_asked_for_with_work_after_the_launch(env, on):
+    assert Config.from_env(env).spill_after_launch is on
 
 
 def _runner(step, seqs, spec_tokens=0, mixed="PIECEWISE"):

@@ -33,7 +33,7 @@ preempted = count_preemptions()
 
 model = sys.argv[1]
 llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
-          block_size=32, num_gpu_blocks_override=20, seed=0)
+          block_size=32, num_gpu_blocks_override=int(os.environ["BLOCKS"]) or None, seed=0)
 rng = np.random.default_rng(0)
 shared = rng.integers(100, 40000, 150).tolist()
 batches = [
@@ -58,7 +58,11 @@ for bi, prompts in enumerate(batches):
 assert engine.flush(120)
 snap = engine.stats_snapshot()  # the stats file's contents: the counters, percentiles and the engine's gauges
 st = engine.stream
-json.dump({"runs": runs, "preempted": len(preempted), "stats": snap, "streamed": sorted(engine.streamed),
+sched = llm.llm_engine.engine_core.engine_core.scheduler  # (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)
+hold = sched.__dict__.get("_attn_otel_hold")
+pool = sched.kv_cache_manager.block_pool
+json.dump({"hold": None if hold is None else {"held": hold.held, "holds": hold.holds, "skipped": hold.skipped},
+           "free_blocks": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks, "runs": runs, "preempted": len(preempted), "stats": snap, "streamed": sorted(engine.streamed),
            "map_layers": list(engine.map_layers), "flushes": st.flushes, "flushed_rows": st.flushed_rows,
            "pending": st.pending(), "ring_rows": st.rows, "keys_tapped": sorted(st.k_tap),
            "finish_batches": engine.deferred.batches},
@@ -66,20 +70,32 @@ json.dump({"runs": runs, "preempted": len(preempted), "stats": snap, "streamed":
 '''
 
 
-@pytest.fixture(scope="module")
-def streamed_run(smollm2_path, tmp_path_factory):
-    d = tmp_path_factory.mktemp("stream")
+def _run(smollm2_path, d: Path, blocks: int, extra: dict | None = None):
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(d / "store"), "ATTN_OTEL_LAYERS": "all",
-           "ATTN_OTEL_AFTER_LAUNCH": "output", "ATTN_OTEL_STREAM_DIRECT": "1",
+           "ATTN_OTEL_AFTER_LAUNCH": "output", "ATTN_OTEL_STREAM_DIRECT": "1", "BLOCKS": str(blocks),
+           "ATTN_OTEL_SPILL_AFTER_LAUNCH": "1",
            "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_STREAM_ROWS": "64", "ATTN_OTEL_MAPS_SAMPLE": "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "RESULT": str(d / "result.json"),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
     for name in ("ATTN_OTEL_MAP_LAYERS", "ATTN_OTEL_STATS_DIR"):
         env.pop(name, None)
+    env.update(extra or {})
     proc = subprocess.run([sys.executable, "-c", SCRIPT, smollm2_path], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads((d / "result.json").read_text()), d / "store"
+
+
+@pytest.fixture(scope="module")
+def streamed_run(smollm2_path, tmp_path_factory):
+    """A 20-block KV cache: preemptions, and blocks reused in the step after they are freed."""
+    return _run(smollm2_path, tmp_path_factory.mktemp("stream"), 20)
+
+
+@pytest.fixture(scope="module")
+def held_run(smollm2_path, tmp_path_factory):
+    """vLLM's own KV cache (about 1,400 blocks of 32 tokens): room for attn_otel.hold."""
+    return _run(smollm2_path, tmp_path_factory.mktemp("held"), 0)
 
 
 def test_streamed_engine_ran_every_path(streamed_run):
@@ -105,9 +121,11 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert at.get("output", 0) > 0 and at.get("sample", 0) + at.get("execute", 0) <= 1, at
     # finished requests' rows flushed and last blocks spilled after the launch where the step's forward writes
     # none of their blocks, before it where it writes one (the 20-block cache reuses blocks at once) or it is empty
+    # (ATTN_OTEL_SPILL_AFTER_LAUNCH=1); the scheduler held no block: it had no room for a whole sequence beside them
     spill_at = stats["spill_at"]
     assert spill_at.get("after_launch", 0) > 0 and spill_at.get("reuse", 0) > 0, spill_at
     assert set(spill_at) <= {"after_launch", "reuse", "idle"}, spill_at
+    assert res["hold"] == {"held": 0, "holds": 0, "skipped": res["hold"]["skipped"]} and res["hold"]["skipped"] > 0
     # every batch of finished requests' work is timed (each generate() ends idle, which takes one at least)
     assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
     assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]
@@ -124,14 +142,29 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert 0 < stats["stream_flush_times"]["p50"] <= stats["stream_flush_times"]["max"] <= stats["stream_host_s"]
 
 
-def test_streamed_and_map_layers_equal_hf_eager(streamed_run, smollm2_path):
+def test_held_blocks_put_every_spill_after_the_launch(held_run):
+    """With room in the cache, vLLM's scheduler holds finished requests' uncached blocks for the step that tells the
+    worker (attn_otel.hold): no step's forward writes one, so every flush and spill of a step with tokens ran after
+    its forward's launch, and every held block went back to vLLM (the engine ended idle)."""
+    res, _ = held_run
+    stats = res["stats"]
+    assert stats["captured"] == len(res["runs"]) and stats["dropped"] == {}, stats
+    spill_at = stats["spill_at"]
+    assert spill_at.get("after_launch", 0) >= 5 and set(spill_at) <= {"after_launch", "idle"}, spill_at
+    assert res["hold"]["holds"] > 0 and res["hold"]["skipped"] == 0 and res["hold"]["held"] == 0, res["hold"]
+    assert res["free_blocks"] == res["num_blocks"] - 1, res  # all but vLLM's null block
+    assert res["preempted"] == 0 and res["pending"] == 0
+
+
+@pytest.mark.parametrize("which", ["streamed_run", "held_run"])
+def test_streamed_and_map_layers_equal_hf_eager(which, request, smollm2_path):
     """Every layer's per-row metrics against NumPy's on HF eager fp32, within FACTOR x HF bf16's own drift on
     the same rows (+ a floor), p50 and p99 pooled over the runs, per metric, for the map and the streamed layers
-    apart (tests/reference.py)."""
+    apart (tests/reference.py); in the small cache and with held blocks (their rows flushed after the launch)."""
     import attn_otel
     from reference import Calibrated, hf_references
 
-    res, store = streamed_run
+    res, store = request.getfixturevalue(which)
     cal = Calibrated()
     for run in res["runs"]:
         (cap,) = attn_otel.open_trace(run["trace"], store)
