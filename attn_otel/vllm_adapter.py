@@ -186,6 +186,8 @@ def _patch_scheduler() -> None:
     _wrap(Scheduler, "schedule", _hand_over_finish_reasons)
     if "_free_request_blocks" in vars(Scheduler):  # attn_otel.hold (none in a vLLM without it: nothing held)
         _wrap(Scheduler, "_free_request_blocks", _hold_finished_blocks)
+        if "reset_prefix_cache" in vars(Scheduler):
+            _wrap(Scheduler, "reset_prefix_cache", _give_back_before_reset)
     _wrap(Scheduler, "finish_requests", _take_stop_marks)
     try:
         from vllm.v1.engine.output_processor import OutputProcessor
@@ -291,6 +293,18 @@ def _hold_finished_blocks(orig, scheduler, request, *args, **kwargs):
         except Exception:  # noqa: BLE001
             logger.warning("attn-otel: a finished request's blocks could not be freed", exc_info=True)
     return None
+
+
+def _give_back_before_reset(orig, scheduler, *args, **kwargs):
+    """``Scheduler.reset_prefix_cache``, which fails while any block is in use: held blocks go back first (the
+    worker's own check puts a finished request's work before a forward that writes one of its blocks)."""
+    hold = scheduler.__dict__.get("_attn_otel_hold")
+    if hold:
+        try:
+            hold.release_all(scheduler.kv_cache_manager.block_pool)
+        except Exception:  # noqa: BLE001
+            logger.warning("attn-otel: could not give held blocks back", exc_info=True)
+    return orig(scheduler, *args, **kwargs)
 
 
 def _hand_over_finish_reasons(orig, scheduler, *args, **kwargs):

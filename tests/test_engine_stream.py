@@ -55,13 +55,20 @@ for bi, prompts in enumerate(batches):
         runs.append({"trace": t, "ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids),
                      "prompt_len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0, "mode": mode})
 (engine,) = vllm_adapter.engines()
+# one more batch, its finished requests' blocks still held (no idle step after it), then a prefix-cache reset,
+# which fails while any block is in use
+outs = llm.generate([{"prompt_token_ids": rng.integers(100, 40000, 40).tolist()} for _ in range(2)],
+                    [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True) for _ in range(2)], use_tqdm=False)
+sched = llm.llm_engine.engine_core.engine_core.scheduler  # (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)
+hold = sched.__dict__.get("_attn_otel_hold")
+held_at_reset = None if hold is None else hold.held
+reset = llm.reset_prefix_cache()
+llm.llm_engine.step()
 assert engine.flush(120)
 snap = engine.stats_snapshot()  # the stats file's contents: the counters, percentiles and the engine's gauges
 st = engine.stream
-sched = llm.llm_engine.engine_core.engine_core.scheduler  # (in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)
-hold = sched.__dict__.get("_attn_otel_hold")
 pool = sched.kv_cache_manager.block_pool
-json.dump({"hold": None if hold is None else {"held": hold.held, "holds": hold.holds, "skipped": hold.skipped},
+json.dump({"reset": reset, "held_at_reset": held_at_reset, "hold": None if hold is None else {"held": hold.held, "holds": hold.holds, "skipped": hold.skipped},
            "free_blocks": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks, "runs": runs, "preempted": len(preempted), "stats": snap, "streamed": sorted(engine.streamed),
            "map_layers": list(engine.map_layers), "flushes": st.flushes, "flushed_rows": st.flushed_rows,
            "pending": st.pending(), "ring_rows": st.rows, "keys_tapped": sorted(st.k_tap),
@@ -112,7 +119,7 @@ def test_streamed_engine_ran_every_path(streamed_run):
     # the ring; on the CPU build every forward is eager, so no plan was left to a CUDA graph
     assert stats["stream_direct_rows"] > 0 and stats["stream_direct_steps"] > 0, stats
     assert stats["stream_direct_replayed"] == 0
-    assert stats["captured"] == len(res["runs"]) and stats["dropped"] == {}, stats
+    assert stats["captured"] == len(res["runs"]) + 2 and stats["dropped"] == {}, stats
     assert stats["stream_ring_drifts"] == 0  # the device's ring-row counter kept to the host's count
     # work no forward waited for ran after the forwards' launches, and (ATTN_OTEL_AFTER_LAUNCH=output) after the
     # engine core took each step's output: elsewhere only before the first step's output was taken
@@ -148,7 +155,10 @@ def test_held_blocks_put_every_spill_after_the_launch(held_run):
     its forward's launch, and every held block went back to vLLM (the engine ended idle)."""
     res, _ = held_run
     stats = res["stats"]
-    assert stats["captured"] == len(res["runs"]) and stats["dropped"] == {}, stats
+    assert stats["captured"] == len(res["runs"]) + 2 and stats["dropped"] == {}, stats
+    # a prefix-cache reset with blocks held: they went back first, and the reset (which fails while any block is
+    # in use) went through
+    assert res["held_at_reset"] > 0 and res["reset"] is True, res
     spill_at = stats["spill_at"]
     assert spill_at.get("after_launch", 0) >= 5 and set(spill_at) <= {"after_launch", "idle"}, spill_at
     assert res["hold"]["holds"] > 0 and res["hold"]["skipped"] == 0 and res["hold"]["held"] == 0, res["hold"]
