@@ -64,8 +64,8 @@ class BlockHold:
             self._give_back(pool)
 
     def release_all(self, pool: Any) -> None:
-        self._give_back(pool)
-        self._ready, self._pending = self._pending, []
+        """Every held block back now (before vLLM's prefix-cache reset, which fails while a block is in use)."""
+        self.before_schedule(pool)
         self._give_back(pool)
 
     def _give_back(self, pool: Any) -> None:

@@ -58,7 +58,7 @@ class Stats:
         self.after_launch_at: collections.Counter[str] = collections.Counter()
         # steps whose finished requests had their pending rows flushed and last blocks spilled (attn_otel.spill),
         # by when: "after_launch" (the step's forward writes none of their blocks), or before the forward where it
-        # writes one ("reuse"), the step is empty ("idle") or ATTN_OTEL_AFTER_LAUNCH=0 ("before")
+        # writes one ("reuse"), the step is empty ("idle") or ATTN_OTEL_SPILL_AFTER_LAUNCH is off ("before", the default)
         self.spill_at: collections.Counter[str] = collections.Counter()
 
     def add(self, field: str, n: int = 1, reason: str | None = None) -> None:

@@ -295,31 +295,28 @@ def _hold_finished_blocks(orig, scheduler, request, *args, **kwargs):
     return None
 
 
-def _give_back_before_reset(orig, scheduler, *args, **kwargs):
-    """``Scheduler.reset_prefix_cache``, which fails while any block is in use: held blocks go back first (the
-    worker's own check puts a finished request's work before a forward that writes one of its blocks)."""
+def _give_held_back(scheduler, step: str, *args) -> None:
+    """The scheduler's held blocks (if any) at ``step`` of :class:`attn_otel.hold.BlockHold`
+    (``before_schedule``, ``after_schedule`` or ``release_all``).  Never raises."""
     hold = scheduler.__dict__.get("_attn_otel_hold")
     if hold:
         try:
-            hold.release_all(scheduler.kv_cache_manager.block_pool)
+            getattr(hold, step)(scheduler.kv_cache_manager.block_pool, *args)
         except Exception:  # noqa: BLE001
             logger.warning("attn-otel: could not give held blocks back", exc_info=True)
+
+
+def _give_back_before_reset(orig, scheduler, *args, **kwargs):
+    """``Scheduler.reset_prefix_cache``, which fails while any block is in use: held blocks go back first (the
+    worker's own check puts a finished request's work before a forward that writes one of its blocks)."""
+    _give_held_back(scheduler, "release_all")
     return orig(scheduler, *args, **kwargs)
 
 
 def _hand_over_finish_reasons(orig, scheduler, *args, **kwargs):
-    hold = scheduler.__dict__.get("_attn_otel_hold")
-    if hold:
-        try:
-            hold.before_schedule(scheduler.kv_cache_manager.block_pool)
-        except Exception:  # noqa: BLE001
-            logger.warning("attn-otel: could not give held blocks back", exc_info=True)
+    _give_held_back(scheduler, "before_schedule")
     out = orig(scheduler, *args, **kwargs)
-    if hold:
-        try:
-            hold.after_schedule(scheduler.kv_cache_manager.block_pool, int(out.total_num_scheduled_tokens))
-        except Exception:  # noqa: BLE001
-            logger.warning("attn-otel: could not give held blocks back", exc_info=True)
+    _give_held_back(scheduler, "after_schedule", int(out.total_num_scheduled_tokens))
     for key, attr in (("_attn_otel_reasons", _REASONS), ("_attn_otel_outputs", _OUTPUTS),
                       ("_attn_otel_lengths", _LENGTHS)):
         noted = scheduler.__dict__.get(key)
@@ -985,7 +982,7 @@ def _install(runner, kv_cache_config) -> None:
     engine.tracker = RequestTracker()
     engine.deferred = DeferredFinish(config.finish_batch_steps)
     engine.after_launch = None  # (ids, records) of a finish batch left for after the forward's launch
-    engine.late_spill = None  # (done, records) of finished requests to spill after the forward's launch
+    engine.late_spill = None  # (done, records, event) of finished requests to spill after the forward's launch
     engine.shadow = None
     if shadowed:
         from .shadow import ShadowBlocks
@@ -1475,8 +1472,9 @@ def _track(runner, engine, so, t0: float) -> None:
 def _spill_now_or_later(engine, done: list, finished: list, fresh, empty: bool) -> tuple[list, tuple | None]:
     """The step's finished requests, spilled (:func:`_spill_finished`) before this step's forward where it
     writes one of their blocks (``fresh``), the step is empty (nothing may come after it to take them) or
-    ``ATTN_OTEL_SPILL_AFTER_LAUNCH`` is off (the default); otherwise left for after the forward's launch (``late``: ``(done, records)``
-    of those with a capture to make, taken out of ``finished``): their flush and block copy then come after this
+    ``ATTN_OTEL_SPILL_AFTER_LAUNCH`` is off (the default); otherwise left for after the forward's launch (``late``:
+    ``(done, records, event)`` of those with a capture to make, taken out of ``finished``, and an event behind the
+    forwards enqueued so far): their flush and block copy then come after this
     forward on the capture stream, which reads nothing of theirs it writes, and the step's launch waits for
     neither.  Their pending rows stay in the stream's count meanwhile, so its schedule keeps their ring rows."""
     import numpy as np
