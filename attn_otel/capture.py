@@ -32,6 +32,7 @@ from .compute import ComputeThread
 from .config import Config
 from .finish import BatchedMetrics
 from .handoff import ByteBudget, Handoff, at_exit
+from .hold import counts as hold_counts
 from .hostmem import SegmentPool
 from .plan import Planner
 from .slots import ring_waits
@@ -224,6 +225,9 @@ class CaptureEngine:
                     tap_bytes_per_token=self.bytes_per_token(), finish_device_s=self.finish_device_s,
                     side_stream_waits=self.side.waits, side_stream_wait_causes=dict(self.side.wait_causes),
                     upload_ring_waits=ring_waits(), fused_kv_layers=self.fused_kv_layers)
+        held = hold_counts()
+        if held is not None:  # vLLM's scheduler of this process holds finished requests' blocks (attn_otel.hold)
+            snap["block_hold"] = held
         st = self.stream
         if st is not None:
             snap.update(streamed_layers=sorted(self.streamed), stream_rows=st.rows, stream_flushes=st.flushes,

@@ -116,15 +116,14 @@ blocks the step's forward writes; the streamed layers' flush at half the query r
 forward is launched, while the device runs it, not before.  ``0``: before the forward, as up to 2026-11-26.
 Default ``1``."""
 
-ATTN_OTEL_SPILL_AFTER_LAUNCH = "ATTN_OTEL_SPILL_AFTER_LAUNCH"
-"""``1``: a finished request's pending rows of the streamed layers are flushed and its last block spilled
-(:mod:`attn_otel.spill`) after the next step's forward is launched instead of before it, wherever that forward
-writes none of its blocks; vLLM's scheduler holds the request's uncached blocks for that one step so that it
-does not (:mod:`attn_otel.hold`; only while the pool has room for a step and a whole sequence beside them).
-Off by default: on an H100 (run 30) it took 39% of attn-otel's host time off the critical path before the
-launch, yet ITL p50 rose from x1.04-x1.10 to x1.15-x1.19 of capture off, the flush then waiting behind the
-forward on the device; since then the flush waits only for the forwards before it, not measured on a GPU yet.
-Needs ``ATTN_OTEL_AFTER_LAUNCH`` on.  Default ``0``."""
+ATTN_OTEL_HOLD_FINISHED = "ATTN_OTEL_HOLD_FINISHED"
+"""``1``: vLLM's scheduler holds a finished request's uncached KV-cache blocks (its last, partly filled one)
+until the request's finish batch is due (:mod:`attn_otel.hold`; only while the pool has room for a step and a
+whole sequence beside them), so that its pending rows of the streamed layers are flushed with that batch,
+after a forward's launch, instead of flushed and spilled (:mod:`attn_otel.spill`) before the next step's
+forward on their own (on an H100, run 31: attn-otel's host time on the engine loop 2.7-2.9 s a server life
+against 3.9-4.1 s, ITL p50 x1.05 of capture off against x1.16).  ``0``: the flush and spill come before the
+next forward, as up to 2026-11-27.  Needs ``ATTN_OTEL_FINISH_BATCH_STEPS`` above 0.  Default ``1``."""
 
 ATTN_OTEL_FINISH_BATCH_STEPS = "ATTN_OTEL_FINISH_BATCH_STEPS"
 """Engine steps a finished request's capture work may wait, to be done with other finished requests' in one
@@ -317,7 +316,7 @@ class Config:
     # forward enqueued); "sample", after the step's sample_tokens (the sampler enqueued too); "output", after the
     # engine core has taken the step's output (EngineCore.post_step), where that runs in this process
     after_launch_at: str = "execute"
-    spill_after_launch: bool = False
+    hold_finished: bool = True
     kv_write: str = "fused"
     view_url: str | None = None
 
@@ -356,8 +355,8 @@ class Config:
         at = _choice(env, ATTN_OTEL_AFTER_LAUNCH, ("0", "1", "sample", "output"), "1")
         values["after_launch"] = at != "0"
         values["after_launch_at"] = at if at in ("sample", "output") else "execute"
-        values["spill_after_launch"] = (_choice(env, ATTN_OTEL_SPILL_AFTER_LAUNCH, ("0", "1"), "0") == "1"
-                                        and values["after_launch"])
+        values["hold_finished"] = (_choice(env, ATTN_OTEL_HOLD_FINISHED, ("0", "1"), "1") == "1"
+                                   and values["finish_batch_steps"] > 0)
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)

@@ -56,9 +56,11 @@ class Stats:
         # where work after the launch ran, a count a time (ATTN_OTEL_AFTER_LAUNCH): "execute", "sample", "output",
         # or "next_step" (left by a step whose hook did not come back: run before the next step's forward)
         self.after_launch_at: collections.Counter[str] = collections.Counter()
-        # steps whose finished requests had their pending rows flushed and last blocks spilled (attn_otel.spill),
-        # by when: "after_launch" (the step's forward writes none of their blocks), or before the forward where it
-        # writes one ("reuse"), the step is empty ("idle") or ATTN_OTEL_SPILL_AFTER_LAUNCH is off ("before", the default)
+        # steps that finished requests with streamed rows to keep, by what became of them: flushed and their last
+        # blocks spilled (attn_otel.spill) before the step's forward, as ATTN_OTEL_HOLD_FINISHED off does it
+        # ("before", the default) or because the forward writes one of their blocks ("reuse"); or left unspilled
+        # for their finish batch, their blocks held by vLLM's scheduler ("held"), or taken at once by an empty
+        # step ("idle")
         self.spill_at: collections.Counter[str] = collections.Counter()
 
     def add(self, field: str, n: int = 1, reason: str | None = None) -> None:

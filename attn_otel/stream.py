@@ -93,36 +93,13 @@ class Side:
         self._safe = 0  # work up to this number is done, or the engine's stream already waits for it
         self._busy: dict[int, np.ndarray] = {}  # KV-cache group -> per block the last work reading it
         self._busy_max = 0
-        self._after = None  # inside behind(): the event begin() waits for
         self.waits = 0  # times the engine's stream had to wait for capture work
         self.wait_causes: collections.Counter[str] = collections.Counter()  # the same, by what it waited for
 
     def begin(self) -> None:
-        """Before this step's capture work: it comes after the forwards enqueued so far (or, inside
-        :meth:`behind`, after those enqueued when its event was recorded)."""
+        """Before this step's capture work: it comes after the forwards enqueued so far."""
         if self.stream is not None:
-            if self._after is not None:
-                self.stream.wait_event(self._after)
-            else:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def record(self):
-        """An event behind the forwards enqueued so far, for :meth:`behind` (``None`` off a GPU)."""
-        if self.stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    @contextlib.contextmanager
-    def behind(self, event):
-        """Capture work that reads nothing the forwards enqueued after ``event`` write: it waits for the forwards
-        up to ``event`` only, so it runs beside the later ones instead of after them."""
-        self._after = event
-        try:
-            yield
-        finally:
-            self._after = None
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def context(self):
         """Enqueue on the side stream (a no-op off a GPU)."""
@@ -507,11 +484,6 @@ class MetricsStream:
         """Preempted requests' blocks are freed this step: compute their pending rows now."""
         self.direct.settle()
         self.flush([self._live[r] for r in req_ids if r in self._live])
-
-    def shares_prefix(self, req_ids: Iterable[str]) -> bool:
-        """Whether a flush of these requests may also compute another live request's rows (a shared prefix's:
-        :func:`_pending_owners`), which a forward enqueued since may have written."""
-        return any(self._live[r].shared for r in req_ids if r in self._live)
 
     def lost(self, req_id: str) -> bool:
         return bool(req_id in self._live and self._live[req_id].lost)

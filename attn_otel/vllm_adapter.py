@@ -245,8 +245,9 @@ def _note_finish_reason(orig, scheduler, request, *args, **kwargs):
 
 def _block_hold(scheduler):
     """The scheduler's :class:`attn_otel.hold.BlockHold`, made at its first finish; ``None`` where nothing is held:
-    ``ATTN_OTEL_SPILL_AFTER_LAUNCH`` off (the default) or ``ATTN_OTEL_FINISH_BATCH_STEPS=0`` (the worker then does
-    the finish work before the forward anyway), or a KV connector that defers vLLM's own frees."""
+    ``ATTN_OTEL_HOLD_FINISHED`` off (the default; it is off with ``ATTN_OTEL_FINISH_BATCH_STEPS=0``, where the
+    worker does the finish work in the step anyway), or a KV connector that defers vLLM's own frees.  Blocks are
+    held two steps past the finish batch's age limit, so that the worker takes the batch first."""
     hold = scheduler.__dict__.get("_attn_otel_hold", False)
     if hold is not False:
         return hold
@@ -258,23 +259,23 @@ def _block_hold(scheduler):
         if not _ARRIVAL_CONFIG:
             _ARRIVAL_CONFIG.append(Config.from_env())
         config = _ARRIVAL_CONFIG[0]
-        if (config.spill_after_launch and config.finish_batch_steps > 0
-                and not getattr(scheduler, "defer_block_free", False)):
+        if config.hold_finished and not getattr(scheduler, "defer_block_free", False):
             groups = scheduler.kv_cache_config.kv_cache_groups
             sizes = [int(g.kv_cache_spec.block_size) for g in groups] or [int(scheduler.block_size)]
             hold = BlockHold(margin_blocks(
                 scheduler.max_model_len, scheduler.max_num_scheduled_tokens, scheduler.max_num_running_reqs,
-                min(sizes), len(sizes), getattr(scheduler.kv_cache_manager, "watermark_blocks", 0)))
+                min(sizes), len(sizes), getattr(scheduler.kv_cache_manager, "watermark_blocks", 0)),
+                steps=config.finish_batch_steps + 2, register=True)
     except Exception:  # noqa: BLE001 - vLLM frees as it would without attn-otel
-        logger.warning("attn-otel: finished requests' blocks are not held for a step (their capture work then "
-                       "comes before the next forward)", exc_info=True)
+        logger.warning("attn-otel: finished requests' blocks are not held for their finish batch (their flush "
+                       "and spill then come before the next forward)", exc_info=True)
     scheduler.__dict__["_attn_otel_hold"] = hold
     return hold
 
 
 def _hold_finished_blocks(orig, scheduler, request, *args, **kwargs):
     """``Scheduler._free_request_blocks`` (a finished request's blocks back to the pool): the uncached ones held
-    for a step where the pool has room (attn_otel.hold)."""
+    for its finish batch where the pool has room (attn_otel.hold)."""
     hold = _block_hold(scheduler)
     if hold is None or getattr(scheduler, "defer_block_free", False):
         return orig(scheduler, request, *args, **kwargs)
@@ -982,7 +983,6 @@ def _install(runner, kv_cache_config) -> None:
     engine.tracker = RequestTracker()
     engine.deferred = DeferredFinish(config.finish_batch_steps)
     engine.after_launch = None  # (ids, records) of a finish batch left for after the forward's launch
-    engine.late_spill = None  # (done, records, event) of finished requests to spill after the forward's launch
     engine.shadow = None
     if shadowed:
         from .shadow import ShadowBlocks
@@ -1340,15 +1340,11 @@ def _after_output(orig, core, *args, **kwargs):
 def _run_after_launch(engine, where: str) -> None:
     """The stream's flush at half the ring and the finish batch :func:`_track` left (if any).  Never raises."""
     stream, work = engine.stream, getattr(engine, "after_launch", None)
-    late = getattr(engine, "late_spill", None)
-    if work is None and late is None and (stream is None or not stream.flush_due):
+    if work is None and (stream is None or not stream.flush_due):
         return
     engine.stats.add("after_launch_at", reason=where)
     t0 = time.perf_counter()
     try:
-        if late is not None:  # first: its work waits for the forwards before this one only (see _late_spill)
-            engine.late_spill = None
-            _late_spill(engine, *late)
         if stream is not None:
             stream.after_launch()
         if work is not None:
@@ -1365,8 +1361,7 @@ def _track(runner, engine, so, t0: float) -> None:
     from .tracking import FinishedRequest
 
     parts = engine.stats.step_parts  # engine-loop time by part (only this thread writes it)
-    if (getattr(engine, "after_launch", None) is not None  # left by a step whose forward never returned here
-            or getattr(engine, "late_spill", None) is not None):
+    if getattr(engine, "after_launch", None) is not None:  # left by a step whose forward never returned here
         _run_after_launch(engine, "next_step")
 
     tracker = engine.tracker
@@ -1438,18 +1433,13 @@ def _track(runner, engine, so, t0: float) -> None:
     if empty and len(tracker):  # a step of no token while requests run (async scheduling makes a few)
         engine.stats.add("empty_steps")
     fresh_flat = flat_blocks(fresh)
-    ids = so.finished_req_ids
     spill_s = 0.0
     if spilling:
         t3 = time.perf_counter()
-        finished, late = _spill_now_or_later(engine, done, finished, fresh_flat, empty)
-        if late is not None:  # their ids join the held ones with their spilled records, after the launch
-            later = {d[0] for d in late[0]}
-            ids = [r for r in ids if r not in later]
-            engine.late_spill = late
+        finished = _spill_or_hold(engine, done, finished, fresh_flat, empty)
         spill_s = time.perf_counter() - t3
         parts["finished_rows"] += spill_s
-    deferred.add(ids, finished, any(t.maps for _, t in done))
+    deferred.add(so.finished_req_ids, finished, any(t.maps for _, t in done))
     if deferred.due(fresh_flat, empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take()
@@ -1469,49 +1459,26 @@ def _track(runner, engine, so, t0: float) -> None:
     parts["schedule"] += time.perf_counter() - t2
 
 
-def _spill_now_or_later(engine, done: list, finished: list, fresh, empty: bool) -> tuple[list, tuple | None]:
-    """The step's finished requests, spilled (:func:`_spill_finished`) before this step's forward where it
-    writes one of their blocks (``fresh``), the step is empty (nothing may come after it to take them) or
-    ``ATTN_OTEL_SPILL_AFTER_LAUNCH`` is off (the default); otherwise left for after the forward's launch (``late``:
-    ``(done, records, event)`` of those with a capture to make, taken out of ``finished``, and an event behind the
-    forwards enqueued so far): their flush and block copy then come after this
-    forward on the capture stream, which reads nothing of theirs it writes, and the step's launch waits for
-    neither.  Their pending rows stay in the stream's count meanwhile, so its schedule keeps their ring rows."""
+def _spill_or_hold(engine, done: list, finished: list, fresh, empty: bool) -> list:
+    """The step's finished requests, spilled (:func:`_spill_finished`) now, before this step's forward, unless
+    ``ATTN_OTEL_HOLD_FINISHED`` is on and the forward writes none of their blocks (``fresh``): then they wait for
+    their finish batch unspilled, their blocks held by vLLM's scheduler (attn_otel.hold), and the batch flushes
+    their pending rows with the others' (after a forward's launch, where no forward writes one of their blocks
+    first; the reuse rule of attn_otel.deferred takes the batch before any forward that does).  Where the step
+    is empty the batch is taken now anyway, so nothing is spilled."""
     import numpy as np
 
-    why = "before" if not engine.config.spill_after_launch else "idle" if empty else ""
-    if not why and fresh.size:
+    if not any(not t.maps for _, t in done):  # none to spill (_spill_finished takes none planned for maps)
+        return finished
+    why = "before" if not engine.config.hold_finished else "idle" if empty else "held"
+    if why == "held" and fresh.size:
         mine = flat_blocks(b for f in finished for b in f.block_ids)
         if mine.size and np.isin(fresh, mine).any():
             why = "reuse"
-    late = [i for i, (_, t) in enumerate(done) if not t.maps]  # one planned for maps: its batch is due now
-    if not late:  # none to spill (_spill_finished takes none planned for maps)
-        return finished, None
-    if why:
-        engine.stats.add("spill_at", reason=why)
-        return _spill_finished(engine, done, finished), None
-    engine.stats.add("spill_at", reason="after_launch")
-    keep = [f for i, f in enumerate(finished) if done[i][1].maps]
-    return keep, ([done[i] for i in late], [finished[i] for i in late], engine.side.record())
-
-
-def _late_spill(engine, done: list, finished: list, before=None) -> None:
-    """After the forward's launch: the spill :func:`_spill_now_or_later` left, then the requests held for their
-    batch like any step's finished ones.  Their rows were written by the forwards before this step's (``before``,
-    an event recorded ahead of its launch), and this step's forward writes none of their blocks: the flush and
-    the copy wait for those forwards only, and run beside this one on the device, as they did when they came
-    before its launch (in run 30, with the work behind this forward, ITL p50 was 10.0-10.4 ms against 9.1-9.7 ms with it before).
-    Where the flush would also compute a live request's rows (a shared prefix), it waits for this forward too."""
-    ids = [r for r, _ in done]
-    try:
-        with engine.side.behind(None if engine.stream.shares_prefix(ids) else before):
-            finished = _spill_finished(engine, done, finished)
-    except Exception:  # noqa: BLE001  (their captures are lost; the ids still go through the cleanups)
-        engine.stream.forget(ids)
-        engine.stats.add("dropped", len(done), reason="capture_error")
-        engine.warn_once("late-spill", "could not spill finished requests after the forward's launch", exc=True)
-        finished = []
-    engine.deferred.add(ids, finished, False)
+    engine.stats.add("spill_at", reason=why)
+    if why in ("held", "idle"):
+        return finished
+    return _spill_finished(engine, done, finished)
 
 
 def _spill_finished(engine, done: list, finished: list) -> list:

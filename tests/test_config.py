@@ -149,7 +149,7 @@ def test_blank_store_falls_back_to_the_default():
     ("ATTN_OTEL_STORE_TOKENS", "maybe", "store_tokens"),
     ("ATTN_OTEL_KV_WRITE", "both", "kv_write"),
     ("ATTN_OTEL_AFTER_LAUNCH", "later", "after_launch_at"),
-    ("ATTN_OTEL_SPILL_AFTER_LAUNCH", "yes", "spill_after_launch"),
+    ("ATTN_OTEL_HOLD_FINISHED", "yes", "hold_finished"),
     ("ATTN_OTEL_STREAM_DIRECT", "yes", "stream_direct"),
 ])
 def test_bad_value_warns_and_falls_back(caplog, name, value, field):
@@ -169,11 +169,11 @@ def test_after_launch_says_whether_and_where(raw, on, at):
 
 
 @pytest.mark.parametrize("env, on", [
-    ({}, False), ({"ATTN_OTEL_SPILL_AFTER_LAUNCH": "1"}, True), ({"ATTN_OTEL_SPILL_AFTER_LAUNCH": "0"}, False),
-    ({"ATTN_OTEL_SPILL_AFTER_LAUNCH": "1", "ATTN_OTEL_AFTER_LAUNCH": "0"}, False),  # it needs work after the launch
+    ({}, True), ({"ATTN_OTEL_HOLD_FINISHED": "1"}, True), ({"ATTN_OTEL_HOLD_FINISHED": "0"}, False),
+    ({"ATTN_OTEL_FINISH_BATCH_STEPS": "0"}, False),  # no batch to hold them for
 ])
-def test_spill_after_launch_is_off_unless_asked_for_with_work_after_the_launch(env, on):
-    assert Config.from_env(env).spill_after_launch is on
+def test_hold_finished_is_on_where_there_are_finish_batches(env, on):
+    assert Config.from_env(env).hold_finished is on
 
 
 def _runner(step, seqs, spec_tokens=0, mixed="PIECEWISE"):

@@ -68,7 +68,7 @@ assert engine.flush(120)
 snap = engine.stats_snapshot()  # the stats file's contents: the counters, percentiles and the engine's gauges
 st = engine.stream
 pool = sched.kv_cache_manager.block_pool
-json.dump({"reset": reset, "held_at_reset": held_at_reset, "hold": None if hold is None else {"held": hold.held, "holds": hold.holds, "skipped": hold.skipped},
+json.dump({"reset": reset, "held_at_reset": held_at_reset, "hold": None if hold is None else {"held": hold.held, "holds": hold.holds, "skipped": hold.skipped, "early": hold.early},
            "free_blocks": pool.get_num_free_blocks(), "num_blocks": pool.num_gpu_blocks, "runs": runs, "preempted": len(preempted), "stats": snap, "streamed": sorted(engine.streamed),
            "map_layers": list(engine.map_layers), "flushes": st.flushes, "flushed_rows": st.flushed_rows,
            "pending": st.pending(), "ring_rows": st.rows, "keys_tapped": sorted(st.k_tap),
@@ -80,7 +80,7 @@ json.dump({"reset": reset, "held_at_reset": held_at_reset, "hold": None if hold 
 def _run(smollm2_path, d: Path, blocks: int, extra: dict | None = None):
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(d / "store"), "ATTN_OTEL_LAYERS": "all",
            "ATTN_OTEL_AFTER_LAUNCH": "output", "ATTN_OTEL_STREAM_DIRECT": "1", "BLOCKS": str(blocks),
-           "ATTN_OTEL_SPILL_AFTER_LAUNCH": "1",
+           "ATTN_OTEL_HOLD_FINISHED": "1",
            "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_STREAM_ROWS": "64", "ATTN_OTEL_MAPS_SAMPLE": "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "RESULT": str(d / "result.json"),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
@@ -126,13 +126,12 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert stats["step_host_s"]["after_launch"] > 0, stats["step_host_s"]
     at = stats["after_launch_at"]
     assert at.get("output", 0) > 0 and at.get("sample", 0) + at.get("execute", 0) <= 1, at
-    # finished requests' rows flushed and last blocks spilled after the launch where the step's forward writes
-    # none of their blocks, before it where it writes one (the 20-block cache reuses blocks at once) or it is empty
-    # (ATTN_OTEL_SPILL_AFTER_LAUNCH=1); the scheduler held no block: it had no room for a whole sequence beside them
+    # finished requests' rows flushed and last blocks spilled before the forward where it writes one of their
+    # blocks (the 20-block cache reuses blocks at once), left for their batch where it does not
+    # (ATTN_OTEL_HOLD_FINISHED=1); the scheduler held no block: it had no room for a whole sequence beside them
     spill_at = stats["spill_at"]
-    assert spill_at.get("after_launch", 0) > 0 and spill_at.get("reuse", 0) > 0, spill_at
-    assert set(spill_at) <= {"after_launch", "reuse", "idle"}, spill_at
-    assert res["hold"] == {"held": 0, "holds": 0, "skipped": res["hold"]["skipped"]} and res["hold"]["skipped"] > 0
+    assert spill_at.get("reuse", 0) > 0 and set(spill_at) <= {"held", "reuse", "idle"}, spill_at
+    assert res["hold"]["held"] == res["hold"]["holds"] == 0 and res["hold"]["skipped"] > 0, res["hold"]
     # every batch of finished requests' work is timed (each generate() ends idle, which takes one at least)
     assert res["finish_batches"] >= len(res["runs"]) // 8 + 3, res["finish_batches"]
     assert stats["finish_batch_times"]["n"] == stats["finish_batch_sizes"]["n"] == res["finish_batches"]
@@ -149,10 +148,11 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert 0 < stats["stream_flush_times"]["p50"] <= stats["stream_flush_times"]["max"] <= stats["stream_host_s"]
 
 
-def test_held_blocks_put_every_spill_after_the_launch(held_run):
-    """With room in the cache, vLLM's scheduler holds finished requests' uncached blocks for the step that tells the
-    worker (attn_otel.hold): no step's forward writes one, so every flush and spill of a step with tokens ran after
-    its forward's launch, and every held block went back to vLLM (the engine ended idle)."""
+def test_held_blocks_leave_finished_rows_to_their_batch(held_run):
+    """With room in the cache, vLLM's scheduler holds finished requests' uncached blocks until their finish batch
+    is due (attn_otel.hold): no step's forward writes one, so no finishing step flushed or spilled on its own;
+    their rows were flushed with their batches, several requests a batch, and every held block went back to
+    vLLM (the engine ended idle)."""
     res, _ = held_run
     stats = res["stats"]
     assert stats["captured"] == len(res["runs"]) + 2 and stats["dropped"] == {}, stats
@@ -160,8 +160,13 @@ def test_held_blocks_put_every_spill_after_the_launch(held_run):
     # in use) went through
     assert res["held_at_reset"] > 0 and res["reset"] is True, res
     spill_at = stats["spill_at"]
-    assert spill_at.get("after_launch", 0) >= 5 and set(spill_at) <= {"after_launch", "idle"}, spill_at
+    assert spill_at.get("held", 0) >= 5 and set(spill_at) <= {"held", "idle"}, spill_at
+    assert stats["stream_spilled_blocks"] == 0, stats
     assert res["hold"]["holds"] > 0 and res["hold"]["skipped"] == 0 and res["hold"]["held"] == 0, res["hold"]
+    assert res["hold"]["early"] == 0, res["hold"]  # nothing given back for want of room
+    assert stats["block_hold"] == res["hold"], stats  # the scheduler's hold in the stats (vLLM steps it here)
+    # the 8 requests at once finish over 21 steps: their batches took several of them each
+    assert stats["finish_batch_sizes"]["max"] >= 2 and res["finish_batches"] < len(res["runs"]) + 2, stats
     assert res["free_blocks"] == res["num_blocks"] - 1, res  # all but vLLM's null block
     assert res["preempted"] == 0 and res["pending"] == 0
 
@@ -170,7 +175,7 @@ def test_held_blocks_put_every_spill_after_the_launch(held_run):
 def test_streamed_and_map_layers_equal_hf_eager(which, request, smollm2_path):
     """Every layer's per-row metrics against NumPy's on HF eager fp32, within FACTOR x HF bf16's own drift on
     the same rows (+ a floor), p50 and p99 pooled over the runs, per metric, for the map and the streamed layers
-    apart (tests/reference.py); in the small cache and with held blocks (their rows flushed after the launch)."""
+    apart (tests/reference.py); in the small cache and with held blocks (their rows flushed with their batches)."""
     import attn_otel
     from reference import Calibrated, hf_references
 

@@ -1,6 +1,7 @@
 """attn_otel.hold on vLLM's own block pool (the CPU build's ``BlockPool``): a finished request's uncached blocks stay
-out of the free queue through one scheduler step, its cached ones go back at once in vLLM's order, nothing is
-held without room or past an empty step, and every block comes back."""
+out of the free queue through its ``steps`` scheduler steps, its cached ones go back at once in vLLM's order,
+nothing is held without room or past an empty step, the oldest go back early where room runs out, and every
+block comes back."""
 
 from __future__ import annotations
 
@@ -85,6 +86,42 @@ def test_nothing_is_held_without_room():
     assert hold.held == 8 and hold.holds == 1 and hold.skipped == 1
     hold.release_all(pool)
     assert hold.held == 0 and pool.get_num_free_blocks() == total
+
+
+def test_blocks_are_held_for_their_steps_counted_from_the_step_that_hands_the_ids_over():
+    pool = _pool()
+    total = pool.get_num_free_blocks()
+    hold = BlockHold(margin=4, steps=3)
+    first = _request(pool, 2)
+    hold.free(pool, first)
+    hold.before_schedule(pool)  # step 1: the finished id goes to the worker
+    second = _request(pool, 1)
+    hold.free(pool, second)  # finishes during step 1: held from step 2 on
+    hold.before_schedule(pool)  # step 2
+    hold.before_schedule(pool)  # step 3: both still held
+    assert hold.held == 3 and pool.get_num_free_blocks() == total - 3
+    hold.before_schedule(pool)  # step 4: the first request's steps are up, not the second's
+    assert hold.held == 1 and {b.block_id for b in pool.get_new_blocks(2)} == {b.block_id for b in first}
+    hold.before_schedule(pool)
+    assert hold.held == 0 and hold.early == 0
+
+
+def test_the_oldest_go_back_early_when_room_runs_out():
+    pool = _pool(n=64)
+    hold = BlockHold(margin=20, steps=10)
+    old, new = _request(pool, 3), _request(pool, 3)
+    hold.free(pool, old)
+    hold.before_schedule(pool)
+    hold.free(pool, new)
+    hold.before_schedule(pool)
+    assert hold.held == 6
+    taken = pool.get_new_blocks(pool.get_num_free_blocks() - 24)  # 24 free: under 6 held + 20, over 3 + 20
+    hold.before_schedule(pool)
+    assert hold.held == 3 and hold.early == 3  # the older request's blocks only
+    assert {b.block_id for b in pool.get_new_blocks(3)} == {b.block_id for b in old}
+    pool.free_blocks(reversed(taken))
+    hold.release_all(pool)
+    assert hold.held == 0
 
 
 def test_margin_covers_a_sequence_a_step_and_the_running_requests_per_group():
