@@ -1471,10 +1471,13 @@ def _spill_or_hold(engine, done: list, finished: list, fresh, empty: bool) -> li
     if not any(not t.maps for _, t in done):  # none to spill (_spill_finished takes none planned for maps)
         return finished
     why = "before" if not engine.config.hold_finished else "idle" if empty else "held"
-    if why == "held" and fresh.size:
+    if why == "held" and fresh.size:  # (a mask, not np.isin: this runs in every step that finishes a request)
         mine = flat_blocks(b for f in finished for b in f.block_ids)
-        if mine.size and np.isin(fresh, mine).any():
-            why = "reuse"
+        if mine.size:
+            marked = np.zeros(int(max(mine.max(), fresh.max())) + 1, dtype=bool)
+            marked[mine] = True
+            if marked[fresh].any():
+                why = "reuse"
     engine.stats.add("spill_at", reason=why)
     if why in ("held", "idle"):
         return finished

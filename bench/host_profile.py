@@ -80,17 +80,26 @@ def summarise(threads: dict, match: str | None, top: int) -> str:
     return "\n".join(out)
 
 
-# attn-otel's parts on the engine loop, by the first of these frames a sample holds (else "rest")
-OWN_PARTS = (("schedule", "MetricsStream.schedule"), ("taps", "_tap_layer.<locals>.forward"),
-             ("captures", "CaptureEngine.on_finished_many"), ("finish rows", "MetricsStream.finish"))
-_WRAPPERS = ("_wrap.<locals>.patched", "_tap_layer.<locals>.forward", "_before_step", "_track",
-             "_hand_over_finish_reasons")
+# attn-otel's parts on the engine loop, by the first of these (function, file) a sample holds (else "rest"); a
+# function matches by its name or its last dotted part (py-spy 0.4 names "schedule", older ones
+# "MetricsStream.schedule")
+OWN_PARTS = (("schedule", "schedule", "attn_otel/stream.py"), ("taps", "forward", "attn_otel/vllm_adapter.py"),
+             ("captures", "on_finished_many", "attn_otel/capture.py"), ("finish rows", "finish", "attn_otel/stream.py"),
+             ("step bookkeeping", "_track", "attn_otel/vllm_adapter.py"),
+             ("after the launch", "_run_after_launch", "attn_otel/vllm_adapter.py"))
+
+
+def _is(frame: str, func: str, file: str) -> bool:
+    name, _, where = frame.partition(" (")
+    return (name == func or name.endswith("." + func)) and where.startswith(file)
 
 
 def own_shares(threads: dict, package: str = "attn_otel/") -> dict:
     """The main thread's samples (the thread named MainThread, else the largest): ``{"samples", "parts":
-    {part: share}, "total", "gpu_wait"}`` (shares of its samples; gpu_wait: ``Event.synchronize`` outside
-    attn-otel's frames)."""
+    {part: share}, "total", "gpu_wait"}`` (shares of its samples; gpu_wait: a CUDA ``synchronize`` outside
+    attn-otel's frames).  A sample is attn-otel's own where no vLLM frame lies below its deepest attn-otel
+    frame: vLLM's scheduler called from the step hook, the forward called through a patched method (with
+    torch's decorators between) and the attention inside a tapped forward are vLLM's time."""
     named = [t for t in threads if t.endswith("MainThread")]
     main_t = named[0] if named else max(threads, key=lambda t: sum(n for _, n in threads[t]))
     stacks = threads[main_t]
@@ -100,17 +109,14 @@ def own_shares(threads: dict, package: str = "attn_otel/") -> dict:
     for frames, n in stacks:
         ours = [i for i, f in enumerate(frames) if package in f]
         if not ours:
-            if frames and frames[-1].startswith("Event.synchronize"):
+            if frames and frames[-1].split(" (")[0].endswith("synchronize") and "torch/cuda" in frames[-1]:
                 wait += n
             continue
-        deep = ours[-1]
-        func = frames[deep].split(" (")[0]
-        if func.startswith("_wrap.<locals>.patched") or (
-                func.startswith(_WRAPPERS) and deep + 1 < len(frames) and "vllm/" in frames[deep + 1]):
+        if any("vllm/" in f for f in frames[ours[-1] + 1:]):
             continue  # vLLM's own work inside attn-otel's wrapper
-        names = [frames[i].split(" (")[0] for i in ours]
-        parts[next((p for p, f in OWN_PARTS if f in names), "rest")] += n
-    shares = {p: parts[p] / total for p in [*(p for p, _ in OWN_PARTS), "rest"]} if total else {}
+        held = [frames[i] for i in ours]
+        parts[next((p for p, func, file in OWN_PARTS if any(_is(f, func, file) for f in held)), "rest")] += n
+    shares = {p: parts[p] / total for p in [*(p for p, *_ in OWN_PARTS), "rest"]} if total else {}
     return {"thread": main_t, "samples": total, "parts": shares, "total": sum(shares.values()),
             "gpu_wait": wait / total if total else 0.0}
 
@@ -118,7 +124,7 @@ def own_shares(threads: dict, package: str = "attn_otel/") -> dict:
 def format_own(own: dict) -> str:
     lines = [f"## {own['thread']}: {own['samples']} samples", "attn-otel's own time, by part:"]
     lines += [f"  {100 * v:5.1f}%  {p}" for p, v in own["parts"].items()]
-    lines += [f"  {100 * own['total']:5.1f}%  total", f"waiting for the GPU (Event.synchronize): "
+    lines += [f"  {100 * own['total']:5.1f}%  total", f"waiting for the GPU (synchronize): "
               f"{100 * own['gpu_wait']:.1f}%"]
     return "\n".join(lines)
 
