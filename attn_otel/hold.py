@@ -29,10 +29,11 @@ passes the scheduler's block pool and the blocks (objects with ``block_hash``, `
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Any, Sequence
 
 
-_HOLDS: list["BlockHold"] = []  # the schedulers' holds in this process (vLLM's engine core steps its own)
+_HOLDS: "weakref.WeakSet[BlockHold]" = weakref.WeakSet()  # the live schedulers' holds in this process
 
 
 def counts() -> dict[str, int] | None:
@@ -54,7 +55,7 @@ class BlockHold:
         self.holds = self.skipped = 0  # requests whose blocks were held, or freed at once for want of room
         self.early = 0  # blocks given back before their steps were up, for want of room
         if register:
-            _HOLDS.append(self)
+            _HOLDS.add(self)
 
     def free(self, pool: Any, blocks: Sequence[Any]) -> None:
         """A finished request's blocks (allocation order, as ``pop_blocks_for_free`` gives them): those with a
@@ -93,14 +94,16 @@ class BlockHold:
         """A step that schedules no token: its held blocks go back now (the worker takes their batch before the
         step's forward, and an engine going idle steps no more)."""
         if scheduled_tokens == 0:
-            while self._held:
-                self._give_back(pool, self._held.popleft()[1])
+            self._give_back_held(pool)
 
     def release_all(self, pool: Any) -> None:
         """Every held block back now (before vLLM's prefix-cache reset, which fails while a block is in use)."""
         if self._pending:
             self._held.append([0, self._pending])
             self._pending = []
+        self._give_back_held(pool)
+
+    def _give_back_held(self, pool: Any) -> None:
         while self._held:
             self._give_back(pool, self._held.popleft()[1])
 

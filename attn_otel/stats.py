@@ -57,9 +57,9 @@ class Stats:
         # or "next_step" (left by a step whose hook did not come back: run before the next step's forward)
         self.after_launch_at: collections.Counter[str] = collections.Counter()
         # steps that finished requests with streamed rows to keep, by what became of them: flushed and their last
-        # blocks spilled (attn_otel.spill) before the step's forward, as ATTN_OTEL_HOLD_FINISHED off does it
-        # ("before", the default) or because the forward writes one of their blocks ("reuse"); or left unspilled
-        # for their finish batch, their blocks held by vLLM's scheduler ("held"), or taken at once by an empty
+        # blocks spilled (attn_otel.spill) before the step's forward, as ATTN_OTEL_HOLD_FINISHED=0 does it
+        # ("before") or because the forward writes one of their blocks ("reuse"); or left unspilled for their
+        # finish batch, their blocks held by vLLM's scheduler ("held", the default), or taken at once by an empty
         # step ("idle")
         self.spill_at: collections.Counter[str] = collections.Counter()
 

@@ -245,8 +245,8 @@ def _note_finish_reason(orig, scheduler, request, *args, **kwargs):
 
 def _block_hold(scheduler):
     """The scheduler's :class:`attn_otel.hold.BlockHold`, made at its first finish; ``None`` where nothing is held:
-    ``ATTN_OTEL_HOLD_FINISHED`` off (the default; it is off with ``ATTN_OTEL_FINISH_BATCH_STEPS=0``, where the
-    worker does the finish work in the step anyway), or a KV connector that defers vLLM's own frees.  Blocks are
+    ``ATTN_OTEL_HOLD_FINISHED=0`` (it is off too with ``ATTN_OTEL_FINISH_BATCH_STEPS=0``, where the worker does
+    the finish work in the step anyway), or a KV connector that defers vLLM's own frees.  Blocks are
     held two steps past the finish batch's age limit, so that the worker takes the batch first."""
     hold = scheduler.__dict__.get("_attn_otel_hold", False)
     if hold is not False:
