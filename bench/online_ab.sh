@@ -11,7 +11,8 @@
 #   call 2:  bash bench/online_ab.sh ab 1 new old  (the default of each, one server after the other)
 #   call 3:  bash bench/online_ab.sh ab 2 old new  (the other order)
 #   (a server's name may carry one variable for it: "ab 3 new@ATTN_OTEL_AFTER_LAUNCH=0 new" A/Bs a switch of
-#   this checkout, no old one needed)
+#   this checkout, no old one needed; "off" is one more capture-off server, online-off-N.json: with several,
+#   the report pools them and shows how far they drift apart, the noise every ratio of the call sits in)
 #
 # Then, here: the calls' ab/ files in one folder, and python3 bench/online_report.py --dir FOLDER --png FILE
 # (a row a server, each configuration's runs pooled and paired by seed, every run plotted).
@@ -51,7 +52,16 @@ ab)
     d=${spec%%@*}; var=""; [ "$spec" != "$d" ] && var=${spec#*@}
     name=$d${var:+-${var//[^A-Za-z0-9]/_}}
     dir=/tmp/ab/$name-$run
-    mkdir -p "$dir" "$OUT/ab"; cp /tmp/ab/off/online-off.json "$dir/"
+    mkdir -p "$dir" "$OUT/ab"
+    if [ "$d" = off ]; then  # another capture-off server (one a call: its file is named by the call's number)
+      [ -e "$OUT/ab/online-off-$run.json" ] && { echo "off: one capture-off server per ab call"; continue; }
+      timeout $((225 + 20 * reps)) python3 bench/overhead.py --online off --capacity "$cap" --repeats "$reps" \
+        --out "$dir" > "$dir.log" 2>&1
+      echo "$name rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
+      cp "$dir/online-off.json" "$OUT/ab/online-off-$run.json"
+      continue
+    fi
+    cp /tmp/ab/off/online-off.json "$dir/"
     pp=""; [ "$d" = old ] && pp="/tmp/old:"
     PYTHONPATH=$pp${PYTHONPATH:-} timeout $((225 + 20 * reps)) python3 bench/overhead.py \
       --online default ${var:+--env "$var"} --capacity "$cap" --repeats "$reps" --out "$dir" \

@@ -12,7 +12,11 @@ Two sources:
         one call kept in the A/B collection (its servers in the order they ran)
 
 A server's configuration is its name less a trailing "-N" (the order's number); configurations are pooled by
-that name.  Nothing here is timed: it reads what the servers measured.
+that name.  A call may have several capture-off servers (``online-off.json`` from ``setup``, ``online-off-N.json``
+from ``ab N off``): the reference is then all of their runs pooled (paired by seed: the median of the off
+servers' runs of that seed), and each off server is also a row of its own, against the *other* off servers
+(configuration ``off vs off``): how far two servers of the same configuration drift apart on this machine, the
+noise any ratio of the call sits in.  Nothing here is timed: it reads what the servers measured.
 """
 
 from __future__ import annotations
@@ -42,10 +46,16 @@ def _runs(server: dict, where: str) -> list[dict]:
     return runs
 
 
-def from_dir(d: Path) -> tuple[dict, list[tuple[str, dict]]]:
-    """(off, [(server name, server)...]) from bench/online_ab.sh's $OUT/ab, ordered by run then file name."""
-    off_f = d / "online-off.json"
-    if not off_f.is_file():
+def from_dir(d: Path) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """([(off server name, server)...], [(server name, server)...]) from bench/online_ab.sh's $OUT/ab, each
+    ordered by run then file name."""
+    offs = []
+    for f in d.glob("online-off*.json"):
+        m = re.fullmatch(r"online-off(?:-(\d+))?\.json", f.name)
+        if not m:
+            raise ReportError(f"{f.name}: not online-off.json or online-off-RUN.json")
+        offs.append((int(m.group(1) or 0), f))
+    if not any(run == 0 for run, _ in offs):
         raise ReportError(f"{d}: no online-off.json (the capture-off reference; bench/online_ab.sh off)")
     servers = []
     for f in d.glob("online-default-*.json"):
@@ -56,19 +66,24 @@ def from_dir(d: Path) -> tuple[dict, list[tuple[str, dict]]]:
     if not servers:
         raise ReportError(f"{d}: no online-default-NAME-RUN.json")
     servers.sort(key=lambda s: (s[0], s[1]))
-    return (json.loads(off_f.read_text()),
+    return ([("off" if run == 0 else f"off-{run}", json.loads(f.read_text())) for run, f in sorted(offs)],
             [(f"{name}-{run}", json.loads(f.read_text())) for run, name, f in servers])
 
 
-def from_collection(path: Path, key: str) -> tuple[dict, list[tuple[str, dict]]]:
+def from_collection(path: Path, key: str) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     doc = json.loads(path.read_text())
     if key not in doc:
         raise ReportError(f"{path.name}: no call {key!r} (it has {', '.join(sorted(doc))})")
     call = doc[key]
     phases, order = call.get("phases", {}), call.get("order") or list(call.get("phases", {}))
-    if "off" not in phases:
+    offs = [n for n in order if _is_off(n)]
+    if not offs:
         raise ReportError(f"{path.name} {key}: no capture-off server")
-    return phases["off"], [(n, phases[n]) for n in order if n != "off"]
+    return [(n, phases[n]) for n in offs], [(n, phases[n]) for n in order if not _is_off(n)]
+
+
+def _is_off(name: str) -> bool:
+    return re.fullmatch(r"off(-\d+)?", name) is not None
 
 
 def config_of(name: str) -> str:
@@ -76,59 +91,95 @@ def config_of(name: str) -> str:
     return re.sub(r"-\d+$", "", name)
 
 
-def analyse(off: dict, servers: list[tuple[str, dict]]) -> dict:
-    off_runs = _runs(off, "off")
-    med = {k: statistics.median(r[k] for r in off_runs) for k in KEYS}
+OFF_VS_OFF = "off vs off"  # each capture-off server against the others of its call: the call's noise
+
+
+def _reference(offs: list[tuple[str, list[dict]]]) -> tuple[dict, list[dict]]:
+    """The capture-off reference of several off servers' runs: (the median of every run, per key; per seed k,
+    the median of the servers' runs k, per key)."""
+    runs = [r for _, g in offs for r in g]
+    med = {k: statistics.median(r[k] for r in runs) for k in KEYS}
+    seeds = max(len(g) for _, g in offs)
+    by_seed = [{k: statistics.median(g[i][k] for _, g in offs if i < len(g)) for k in KEYS} for i in range(seeds)]
+    return med, by_seed
+
+
+def analyse(offs, servers: list[tuple[str, dict]]) -> dict:
+    """``offs``: the capture-off servers, [(name, server)...] (or one server alone)."""
+    if isinstance(offs, dict):
+        offs = [("off", offs)]
+    off_groups = [(n, _runs(s, n)) for n, s in offs]
+    med, by_seed = _reference(off_groups)
     rows, by_config = [], {}
+    if len(off_groups) > 1:  # each off server against the others: what two servers of one configuration differ by
+        for i, (name, s) in enumerate(offs):
+            others = _reference([g for j, g in enumerate(off_groups) if j != i])
+            rows.append(_row(name, OFF_VS_OFF, s, off_groups[i][1], others[0]))
+            by_config.setdefault(OFF_VS_OFF, []).append((off_groups[i][1], others))
     for name, s in servers:
         runs = _runs(s, name)
-        m = {k: statistics.median(r[k] for r in runs) for k in KEYS}
-        cap = s.get("capture") or {}
-        host = cap.get("step_host_s") or {}
-        rows.append({
-            "server": name, "config": config_of(name), "runs": len(runs), "env": s.get("env") or {},
-            "median": m, "ratio": {k: m[k] / med[k] for k in RATIO_KEYS},
-            "step_ms": {q: 1e3 * (cap.get("step_times") or {}).get(q, float("nan")) for q in ("p50", "p90", "p99")},
-            "host_before_s": sum(v for k, v in host.items() if k != "after_launch"),
-            "host_after_s": host.get("after_launch", 0.0),
-            "finish_batches": (cap.get("finish_batch_sizes") or {}).get("n"),
-            "side_stream_waits": cap.get("side_stream_waits"),
-            "captured": cap.get("captured"), "dropped": sum((cap.get("dropped") or {}).values()),
-            "slo_met": min(r.get("slo_met", 0.0) for r in runs),
-        })
-        by_config.setdefault(config_of(name), []).append(runs)
+        rows.append(_row(name, config_of(name), s, runs, med))
+        by_config.setdefault(config_of(name), []).append((runs, (med, by_seed)))
     pooled = {}
     for cfg, groups in by_config.items():
-        runs = [r for g in groups for r in g]
-        if any(len(g) > len(off_runs) for g in groups):
-            raise ReportError(f"{cfg}: more runs than off's {len(off_runs)}: they cannot be paired by seed")
-        paired = {k: statistics.median(r[k] / o[k] for g in groups for r, o in zip(g, off_runs)) for k in RATIO_KEYS}
-        pooled[cfg] = {"servers": len(groups), "runs": len(runs),
-                       "ratio": {k: statistics.median(r[k] for r in runs) / med[k] for k in RATIO_KEYS},
+        runs = [r for g, _ in groups for r in g]
+        if any(len(g) > len(ref[1]) for g, ref in groups):
+            raise ReportError(f"{cfg}: more runs than off's {max(len(ref[1]) for _, ref in groups)}: they cannot be "
+                              "paired by seed")
+        paired = {k: statistics.median(r[k] / o[k] for g, ref in groups for r, o in zip(g, ref[1]))
+                  for k in RATIO_KEYS}
+        if cfg == OFF_VS_OFF:  # the median of each off server's ratio to the others
+            ratio = {k: statistics.median(statistics.median(r[k] for r in g) / ref[0][k] for g, ref in groups)
+                     for k in RATIO_KEYS}
+        else:
+            ratio = {k: statistics.median(r[k] for r in runs) / med[k] for k in RATIO_KEYS}
+        pooled[cfg] = {"servers": len(groups), "runs": len(runs), "ratio": ratio,
                        "paired_ratio": paired,
-                       "per_run": {k: [[r[k] / o[k] for r, o in zip(g, off_runs)] for g in groups]
+                       "per_run": {k: [[r[k] / o[k] for r, o in zip(g, ref[1])] for g, ref in groups]
                                    for k in ("itl_p99_s", "ttft_p99_s")}}
-    return {"off": {"runs": len(off_runs), "median": med, "device": off.get("device")}, "servers": rows,
-            "configs": pooled}
+    return {"off": {"runs": sum(len(g) for _, g in off_groups), "servers": len(off_groups), "median": med,
+                    "device": offs[0][1].get("device")}, "servers": rows, "configs": pooled}
+
+
+def _row(name: str, config: str, s: dict, runs: list[dict], ref: dict) -> dict:
+    m = {k: statistics.median(r[k] for r in runs) for k in KEYS}
+    cap = s.get("capture") or {}
+    host = cap.get("step_host_s") or {}
+    return {
+        "server": name, "config": config, "runs": len(runs), "env": s.get("env") or {},
+        "median": m, "ratio": {k: m[k] / ref[k] for k in RATIO_KEYS},
+        "step_ms": {q: 1e3 * (cap.get("step_times") or {}).get(q, float("nan")) for q in ("p50", "p90", "p99")},
+        "host_before_s": sum(v for k, v in host.items() if k != "after_launch"),
+        "host_after_s": host.get("after_launch", 0.0),
+        "finish_batches": (cap.get("finish_batch_sizes") or {}).get("n"),
+        "side_stream_waits": cap.get("side_stream_waits"),
+        "captured": cap.get("captured"), "dropped": sum((cap.get("dropped") or {}).values()),
+        "slo_met": min(r.get("slo_met", 0.0) for r in runs),
+    }
 
 
 def markdown(a: dict) -> str:
     o = a["off"]["median"]
-    out = [f"capture off: {a['off']['runs']} runs on {a['off']['device'] or 'an unnamed device'}", "",
+    n_off = a["off"].get("servers", 1)
+    label = "off" if n_off == 1 else f"off, {n_off} servers pooled"
+    out = [f"capture off: {a['off']['runs']} runs ({n_off} server{'s' * (n_off > 1)}) on "
+           f"{a['off']['device'] or 'an unnamed device'}", "",
            "| server | runs | ITL p50 / p99 ms | TTFT p50 / p99 ms | goodput req/s | attn-otel step p50 / p90 / p99 ms "
            "| host s before + after the launch | finish batches | side-stream waits | captured, dropped |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-           f"| off | {a['off']['runs']} | {o['itl_p50_s'] * 1e3:.1f} / {o['itl_p99_s'] * 1e3:.1f} | "
+           f"| {label} | {a['off']['runs']} | {o['itl_p50_s'] * 1e3:.1f} / {o['itl_p99_s'] * 1e3:.1f} | "
            f"{o['ttft_p50_s'] * 1e3:.0f} / {o['ttft_p99_s'] * 1e3:.0f} | {o['goodput_req_s']:.1f} | | | | | |"]
     for r in a["servers"]:
         m, x, st = r["median"], r["ratio"], r["step_ms"]
+        capture = ("| | | | | |" if r["config"] == OFF_VS_OFF else  # capture off: nothing of attn-otel's to show
+                   f"| {st['p50']:.2f} / {st['p90']:.1f} / {st['p99']:.1f} | "
+                   f"{r['host_before_s']:.2f} + {r['host_after_s']:.2f} | {r['finish_batches']} | "
+                   f"{r['side_stream_waits']} | {r['captured']}, {r['dropped']} |")
         out.append(
             f"| {r['server']} | {r['runs']} | {m['itl_p50_s'] * 1e3:.1f} / {m['itl_p99_s'] * 1e3:.1f} "
             f"(x{x['itl_p50_s']:.2f} / x{x['itl_p99_s']:.2f}) | {m['ttft_p50_s'] * 1e3:.0f} / "
             f"{m['ttft_p99_s'] * 1e3:.0f} (x{x['ttft_p50_s']:.2f} / x{x['ttft_p99_s']:.2f}) | "
-            f"{m['goodput_req_s']:.1f} | {st['p50']:.2f} / {st['p90']:.1f} / {st['p99']:.1f} | "
-            f"{r['host_before_s']:.2f} + {r['host_after_s']:.2f} | {r['finish_batches']} | "
-            f"{r['side_stream_waits']} | {r['captured']}, {r['dropped']} |")
+            f"{m['goodput_req_s']:.1f} {capture}")
     out += ["", "| configuration | servers, runs | ITL p50 / p99 | TTFT p50 / p99 | goodput | paired by seed: "
             "ITL p99 / TTFT p99 |", "| --- | --- | --- | --- | --- | --- |"]
     for cfg, c in a["configs"].items():

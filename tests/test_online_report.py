@@ -59,6 +59,46 @@ def test_ratios_pooled_and_paired_by_seed_are_numpys(tmp_path):
     assert (row["host_before_s"], row["host_after_s"], row["dropped"]) == (1.0, 0.5, 1)
 
 
+def test_several_off_servers_pool_into_the_reference_and_each_meets_the_others(tmp_path):
+    """Three capture-off servers (setup's and two from ``ab N off``): the reference pools their runs (paired by
+    seed: the median of the off runs of that seed), and each off server is a row against the other two."""
+    rng = np.random.default_rng(11)
+    servers = _write_ab(tmp_path / "ab", rng, n=5)
+    offs = {"off": servers["off"]}
+    for run in (1, 3):
+        offs[f"off-{run}"] = _server(rng, 5)
+        (tmp_path / "ab" / f"online-off-{run}.json").write_text(json.dumps(offs[f"off-{run}"]))
+    got_offs, got_servers = online_report.from_dir(tmp_path / "ab")
+    assert [n for n, _ in got_offs] == ["off", "off-1", "off-3"] and len(got_servers) == 4
+    a = online_report.analyse(got_offs, got_servers)
+    runs = {n: {k: np.array([r[k] for r in s["runs"]]) for k in KEYS} for n, s in offs.items()}
+    assert a["off"]["servers"] == 3 and a["off"]["runs"] == 15
+    for k in online_report.RATIO_KEYS:
+        pooled = np.concatenate([runs[n][k] for n in offs])
+        by_seed = np.median(np.stack([runs[n][k] for n in offs]), axis=0)
+        mine = np.array([r[k] for r in servers["new-2"]["runs"]])
+        new = [servers[f"new-{i}"]["runs"] for i in (1, 2)]
+        assert a["off"]["median"][k] == pytest.approx(np.median(pooled), rel=1e-12)
+        assert a["configs"]["new"]["paired_ratio"][k] == pytest.approx(
+            np.median(np.concatenate([np.array([r[k] for r in g]) / by_seed for g in new])), rel=1e-12)
+        row = next(r for r in a["servers"] if r["server"] == "new-2")
+        assert row["ratio"][k] == pytest.approx(np.median(mine) / np.median(pooled), rel=1e-12)
+        # off-1 against off and off-3 only
+        others = np.concatenate([runs["off"][k], runs["off-3"][k]])
+        row = next(r for r in a["servers"] if r["server"] == "off-1")
+        assert row["config"] == online_report.OFF_VS_OFF
+        assert row["ratio"][k] == pytest.approx(np.median(runs["off-1"][k]) / np.median(others), rel=1e-12)
+        each = [np.median(runs[n][k]) / np.median(np.concatenate([runs[m][k] for m in offs if m != n])) for n in offs]
+        assert a["configs"][online_report.OFF_VS_OFF]["ratio"][k] == pytest.approx(np.median(each), rel=1e-12)
+        seedwise = np.concatenate([runs[n][k] / np.median(np.stack([runs[m][k] for m in offs if m != n]), axis=0)
+                                   for n in offs])
+        assert a["configs"][online_report.OFF_VS_OFF]["paired_ratio"][k] == pytest.approx(np.median(seedwise),
+                                                                                          rel=1e-12)
+    text = online_report.markdown(a)
+    assert "| off, 3 servers pooled | 15 |" in text and "| off vs off | 3, 15 |" in text
+    assert re.search(r"\| off-3 \| 5 \| .* \| \| \| \| \| \|$", text, re.M)
+
+
 def test_the_current_reports_online_figures_come_back_from_its_raw_call(tmp_path):
     """overhead.json's online row is run 29a's call: off, the default and all layers on one machine."""
     a = online_report.analyse(*online_report.from_collection(
@@ -90,6 +130,7 @@ def test_the_command_writes_tables_and_a_plot(tmp_path):
 @pytest.mark.parametrize("case, message", [
     ("no-off", "no online-off.json"),
     ("bad-name", "not online-default-NAME-RUN.json"),
+    ("bad-off", "not online-off.json or online-off-RUN.json"),
     ("more-runs", "cannot be paired by seed"),
     ("no-key", "no call '99'"),
 ])
@@ -105,6 +146,8 @@ def test_bad_input_is_refused_by_name(tmp_path, case, message):
             (d / "online-off.json").unlink()
         elif case == "bad-name":
             (d / "online-default-x.json").write_text("{}")
+        elif case == "bad-off":
+            (d / "online-off-x.json").write_text("{}")
         else:
             (d / "online-default-new-3.json").write_text(json.dumps(_server(rng, 7)))
     p = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300)
