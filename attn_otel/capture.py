@@ -36,7 +36,7 @@ from .hold import counts as hold_counts
 from .hostmem import SegmentPool
 from .plan import Planner
 from .slots import ring_waits
-from .stats import Stats, WarnOnce, quantiles, write_stats_file
+from .stats import Stats, WarnOnce, gc_pauses, quantiles, write_stats_file
 from .stream import MetricsStream, Side
 from .tap import LayerSpec, MapTap, QKTap, capture_bytes_per_token
 from .tracking import FinishedRequest, Parallel
@@ -85,6 +85,7 @@ class CaptureEngine:
         # Metrics-only captures on a GPU are computed on the engine's stream straight from the tap.
         self._fused = triton_metrics.available(self.device, [s.head_dim for s in layers])
         self.stats = Stats()
+        self.gc = gc_pauses()  # the collector's pauses in this process (stats: gc_pauses)
         self.warn_once = WarnOnce()
         self.maps_pool = SegmentPool(config.queue_bytes)
         self.writers = WriterPool(config, self.stats, self.warn_once)
@@ -225,6 +226,7 @@ class CaptureEngine:
                     tap_bytes_per_token=self.bytes_per_token(), finish_device_s=self.finish_device_s,
                     side_stream_waits=self.side.waits, side_stream_wait_causes=dict(self.side.wait_causes),
                     upload_ring_waits=ring_waits(), fused_kv_layers=self.fused_kv_layers)
+        snap["gc_pauses"] = self.gc.snapshot()
         held = hold_counts()
         if held is not None:  # vLLM's scheduler of this process holds finished requests' blocks (attn_otel.hold)
             snap["block_hold"] = held

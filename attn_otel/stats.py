@@ -4,10 +4,12 @@ processes leave in ``ATTN_OTEL_STATS_DIR``, and warnings logged once per kind.""
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -86,6 +88,48 @@ class Stats:
                              "finish_batch_sizes"):
                     snap[name] = quantiles(getattr(self, name))
             return snap
+
+
+class GcPauses:
+    """The garbage collector's pauses in this process (``gc.callbacks``), by generation: how many, their total
+    and longest, and the last 10,000 of them.  A collection stops every thread of the process, the engine loop's
+    included; vLLM freezes its start-up heap (``gc.freeze``) so that these stay short, and objects made after
+    that, attn-otel's among them, are what a full collection walks.  One per process (:func:`gc_pauses`)."""
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+        self.count = [0, 0, 0]
+        self.total_s = [0.0, 0.0, 0.0]
+        self.max_s = [0.0, 0.0, 0.0]
+        self.times: collections.deque[float] = collections.deque(maxlen=10_000)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        g = min(int(info.get("generation", 0)), 2)
+        dt = time.perf_counter() - self._t0
+        self.count[g] += 1
+        self.total_s[g] += dt
+        self.max_s[g] = max(self.max_s[g], dt)
+        self.times.append(dt)
+
+    def snapshot(self) -> dict[str, Any]:
+        pauses = quantiles(self.times)  # first: a collection it causes is in the counts below too
+        return {"count": list(self.count), "total_s": [round(x, 4) for x in self.total_s],
+                "max_s": [round(x, 5) for x in self.max_s], "pauses": pauses}
+
+
+_GC: list[GcPauses] = []
+
+
+def gc_pauses() -> GcPauses:
+    """This process's :class:`GcPauses`, registered with the garbage collector the first time."""
+    if not _GC:
+        g = GcPauses()
+        gc.callbacks.append(g)
+        _GC.append(g)
+    return _GC[0]
 
 
 def quantiles(values) -> dict[str, float]:
