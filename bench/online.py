@@ -183,10 +183,57 @@ def capacity() -> float:
     return len(res) / wall
 
 
+# vLLM's own per-request histograms (its /metrics): where a request's time went on the server's side.  The queue,
+# prefill and decode times come from the engine core's timestamps; TTFT and the inter-token latency from the
+# front end's, so that their difference to the client's figures is the HTTP path.
+SERVER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_inference_time_seconds")
+
+
+def scrape() -> dict[str, float]:
+    """The server's counters now: ``{name_sum, name_count}`` of :data:`SERVER_HISTOGRAMS` (every label set
+    added up) and ``num_preemptions``; ``{}`` where /metrics does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except Exception:  # noqa: BLE001 - a diagnostic: the run's own figures stand without it
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, value = line.partition(" ")
+        base = name.split("{")[0][len("vllm:"):]
+        keep = base in {f"{h}_{x}" for h in SERVER_HISTOGRAMS for x in ("sum", "count")} or base in (
+            "num_preemptions_total", "num_preemptions")
+        if keep:
+            try:
+                out[base] = out.get(base, 0.0) + float(value.split()[0])
+            except ValueError:
+                pass
+    return out
+
+
+def server_means(before: dict, after: dict) -> dict[str, float | None]:
+    """Per request (per token for the inter-token latency) means of the histograms over one run, from two
+    scrapes; and the run's preemptions."""
+    out: dict[str, float | None] = {}
+    for h in SERVER_HISTOGRAMS:
+        n = after.get(f"{h}_count", 0.0) - before.get(f"{h}_count", 0.0)
+        sm = after.get(f"{h}_sum", 0.0) - before.get(f"{h}_sum", 0.0)
+        out[h.replace("_seconds", "_mean_s")] = sm / n if n > 0 else None
+    pre = next((k for k in ("num_preemptions_total", "num_preemptions") if k in after), None)
+    out["preemptions"] = after[pre] - before.get(pre, 0.0) if pre else None
+    return out
+
+
 def run_load(rate: float, seed: int, n: int = REQUESTS) -> dict:
-    """``n`` Poisson arrivals at ``rate`` requests/s: TTFT and ITL p50/p99 (seconds), goodput, throughput."""
+    """``n`` Poisson arrivals at ``rate`` requests/s: TTFT and ITL p50/p99 (seconds), goodput, throughput; and
+    the server's own means over the run (``server``: queue, prefill, decode, TTFT, inter-token)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, n).tolist()
+    before = scrape()
     res, wall = asyncio.run(_run(_prompts(seed, n), gaps))
+    after = scrape()
     ttft = np.array([r["ttft"] for r in res])
     itl = np.array([g for r in res for g in r["gaps"]])  # every inter-token gap of every request
     tpot = np.array([r["tpot"] for r in res])
@@ -201,4 +248,4 @@ def run_load(rate: float, seed: int, n: int = REQUESTS) -> dict:
             "ttft_p50_s": q(ttft, 0.5), "ttft_p99_s": q(ttft, 0.99), "itl_p50_s": q(itl, 0.5),
             "itl_p99_s": q(itl, 0.99), "tpot_p50_s": q(tpot, 0.5), "tpot_p99_s": q(tpot, 0.99),
             "complete": sum(1 for r in res if r["tokens"] == OUTPUT), "goodput_req_s": good / wall,
-            "slo_met": good / len(res)}
+            "slo_met": good / len(res), "server": server_means(before, after) if before and after else None}
