@@ -15,14 +15,15 @@ A server's configuration is its name less a trailing "-N" (the order's number); 
 that name.  A call may have several capture-off servers (``online-off.json`` from ``setup``, ``online-off-N.json``
 from ``ab N off``): the reference is then all of their runs pooled (paired by seed: the median of the off
 servers' runs of that seed), and each off server is also a row of its own, against the *other* off servers
-(configuration ``off vs off``): how far two servers of the same configuration drift apart on this machine, the
-noise any ratio of the call sits in.  Nothing here is timed: it reads what the servers measured.
+(configuration ``off vs off``, whose pooled row gives the ratio farthest from 1 of them): how far two servers of
+the same configuration drift apart on this machine, the noise any ratio of the call sits in.  Nothing here is timed: it reads what the servers measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -128,9 +129,11 @@ def analyse(offs, servers: list[tuple[str, dict]]) -> dict:
                               "paired by seed")
         paired = {k: statistics.median(r[k] / o[k] for g, ref in groups for r, o in zip(g, ref[1]))
                   for k in RATIO_KEYS}
-        if cfg == OFF_VS_OFF:  # the median of each off server's ratio to the others
-            ratio = {k: statistics.median(statistics.median(r[k] for r in g) / ref[0][k] for g, ref in groups)
+        if cfg == OFF_VS_OFF:  # the off server farthest from the others (a median of r and 1/r would be 1)
+            ratio = {k: _farthest(statistics.median(r[k] for r in g) / ref[0][k] for g, ref in groups)
                      for k in RATIO_KEYS}
+            paired = {k: _farthest(statistics.median(r[k] / o[k] for r, o in zip(g, ref[1])) for g, ref in groups)
+                      for k in RATIO_KEYS}
         else:
             ratio = {k: statistics.median(r[k] for r in runs) / med[k] for k in RATIO_KEYS}
         pooled[cfg] = {"servers": len(groups), "runs": len(runs), "ratio": ratio,
@@ -139,6 +142,10 @@ def analyse(offs, servers: list[tuple[str, dict]]) -> dict:
                                    for k in ("itl_p99_s", "ttft_p99_s")}}
     return {"off": {"runs": sum(len(g) for _, g in off_groups), "servers": len(off_groups), "median": med,
                     "device": offs[0][1].get("device")}, "servers": rows, "configs": pooled}
+
+
+def _farthest(ratios) -> float:
+    return max(ratios, key=lambda x: abs(math.log(x)))
 
 
 def _row(name: str, config: str, s: dict, runs: list[dict], ref: dict) -> dict:
@@ -218,12 +225,47 @@ def plot(a: dict, png: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_calls(calls: list[tuple[str, dict]], png: Path, title: str) -> None:
+    """Several calls side by side (a column a call, machines apart): every run's ITL and TTFT p99 ratio to the
+    capture-off run of its seed, and each configuration's pooled median."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(calls), figsize=(4.7 * len(calls), 7), sharey=True, squeeze=False)
+    for j, (key, a) in enumerate(calls):
+        cfgs = list(a["configs"])
+        for i, (metric, label) in enumerate((("itl_p99_s", "ITL p99"), ("ttft_p99_s", "TTFT p99"))):
+            ax = axes[i][j]
+            for c, cfg in enumerate(cfgs):
+                groups = a["configs"][cfg]["per_run"][metric]
+                for gi, g in enumerate(groups):
+                    ax.scatter([c + (gi - (len(groups) - 1) / 2) * 0.15] * len(g), g, s=16, alpha=0.75)
+                ax.hlines(a["configs"][cfg]["ratio"][metric], c - 0.35, c + 0.35, color="k", lw=2)
+            ax.axhspan(0.97, 1.03, color="#55a868", alpha=0.2, lw=0)
+            ax.axhline(1.0, color="k", lw=0.6)
+            ax.set_xticks(range(len(cfgs)), [c.replace("new-ATTN_OTEL_", "").replace("new", "default") for c in cfgs],
+                          fontsize=7, rotation=15)
+            device = (a["off"]["device"] or "").split(", ")[-1][:12]
+            ax.set_title(f"{key} ({device}): {label}", fontsize=9)
+            if j == 0:
+                ax.set_ylabel(f"{label}, ratio to capture off")
+    fig.suptitle(f"{title}\ndots: each run's p99 against the capture-off run of the same seed (a colour a server); bar: "
+                 "the configuration's pooled median; green: within 3%; 'off vs off': each capture-off server against "
+                 "the others", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--dir", type=Path, help="bench/online_ab.sh's $OUT/ab")
     src.add_argument("--collection", type=Path, help="an A/B collection (docs/benchmarks/online-ab-*.json)")
-    ap.add_argument("--key", help="with --collection: the call (26b, ...)")
+    ap.add_argument("--key", help="with --collection: the call (26b, ...); several (32a,32b,32c): their tables one "
+                                  "after the other and, with --png, one plot of a column a call")
     ap.add_argument("--md", type=Path, help="write the tables here (else stdout)")
     ap.add_argument("--png", type=Path, help="write the per-run plot here")
     ap.add_argument("--json", type=Path, help="write the analysis here")
@@ -232,6 +274,19 @@ def main(argv=None) -> int:
         if args.collection:
             if not args.key:
                 ap.error("--collection needs --key")
+            keys = args.key.split(",")
+            if len(keys) > 1:
+                calls = [(k, analyse(*from_collection(args.collection, k))) for k in keys]
+                text = "".join(f"## {k}\n\n{markdown(a)}\n" for k, a in calls)
+                if args.md:
+                    args.md.write_text(text)
+                else:
+                    print(text, end="")
+                if args.png:
+                    plot_calls(calls, args.png, f"online A/B, {args.collection.name} {args.key}")
+                if args.json:
+                    args.json.write_text(json.dumps(dict(calls), indent=1))
+                return 0
             off, servers = from_collection(args.collection, args.key)
             title = f"{args.collection.name} {args.key}"
         else:
