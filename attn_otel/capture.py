@@ -86,6 +86,11 @@ class CaptureEngine:
         self._fused = triton_metrics.available(self.device, [s.head_dim for s in layers])
         self.stats = Stats()
         self.gc = gc_pauses()  # the collector's pauses in this process (stats: gc_pauses)
+        # the engine loop's current step (vllm_adapter._step_interval): its start, attn-otel's host time in it so
+        # far, and whether it ran tokens
+        self.step_start: float | None = None
+        self.step_own = 0.0
+        self.step_ran = False
         self.warn_once = WarnOnce()
         self.maps_pool = SegmentPool(config.queue_bytes)
         self.writers = WriterPool(config, self.stats, self.warn_once)

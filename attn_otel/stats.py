@@ -49,6 +49,10 @@ class Stats:
         self.step_parts: collections.Counter[str] = collections.Counter(dict.fromkeys(STEP_PARTS, 0.0))
         # seconds each batch of finished requests' capture work took on the engine loop (attn_otel.deferred), and
         # the requests in it: the batch lands in one step, so its time is that step's extra latency
+        # the engine loop's step intervals (one step's start to the next's, where requests ran between: no idle
+        # wait) and attn-otel's own host time inside each (its step hook and its work after the launch): whether
+        # the slowest steps, the ones an ITL p99 is made of, are slow because of attn-otel or of something else
+        self.step_intervals: collections.deque[tuple[float, float]] = collections.deque(maxlen=10_000)
         self.finish_batch_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.finish_batch_sizes: collections.deque[float] = collections.deque(maxlen=10_000)
         # why each batch was taken then (attn_otel.deferred.DeferredFinish.due), and the steps that scheduled no
@@ -87,7 +91,26 @@ class Stats:
                 for name in ("latencies", "write_latencies", "loop_times", "step_times", "finish_batch_times",
                              "finish_batch_sizes"):
                     snap[name] = quantiles(getattr(self, name))
+                snap["step_intervals"] = interval_split(self.step_intervals)
             return snap
+
+
+def interval_split(pairs) -> dict[str, Any]:
+    """Step intervals ``(interval, attn-otel's time in it)``: their quantiles, attn-otel's share of them all,
+    and the mean interval and attn-otel time of the slowest 1% (at least one) against the rest."""
+    a = np.asarray(list(pairs), dtype=np.float64).reshape(-1, 2)
+    if not a.shape[0]:
+        return {"n": 0}
+    iv, own = a[:, 0], a[:, 1]
+    out = quantiles(iv)
+    order = np.argsort(iv, kind="stable")
+    k = max(1, int(round(0.01 * iv.size)))
+    slow, rest = order[iv.size - k:], order[:iv.size - k]
+    out.update(attn_share=float(own.sum() / iv.sum()) if iv.sum() > 0 else None,
+               slowest_1pct={"n": int(k), "interval_mean": float(iv[slow].mean()), "attn_mean": float(own[slow].mean())},
+               rest={"n": int(rest.size), "interval_mean": float(iv[rest].mean()) if rest.size else None,
+                     "attn_mean": float(own[rest].mean()) if rest.size else None})
+    return out
 
 
 class GcPauses:

@@ -1271,13 +1271,26 @@ def _before_step(orig, runner, scheduler_output, *args, **kwargs):
     engine = getattr(runner, "_attn_otel", None)
     if engine is not None:
         t0 = time.perf_counter()
+        _step_interval(engine, scheduler_output, t0)
         try:
             _track(runner, engine, scheduler_output, t0)
         except Exception:  # noqa: BLE001
             engine.stats.add("dropped", reason="capture_error")
             engine.warn_once("track", "could not follow this step's requests", exc=True)
-        engine.stats.step_times.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        engine.stats.step_times.append(dt)
+        engine.step_own += dt
     return orig(runner, scheduler_output, *args, **kwargs)
+
+
+def _step_interval(engine, so, t0: float) -> None:
+    """The interval from the last step's start to this one's, with attn-otel's own host time in it (stats:
+    ``step_intervals``), where the last step ran tokens (so the loop did not wait for requests between)."""
+    last = getattr(engine, "step_start", None)
+    if last is not None and engine.step_ran:
+        engine.stats.step_intervals.append((t0 - last, engine.step_own))
+    total = getattr(so, "total_num_scheduled_tokens", None)
+    engine.step_start, engine.step_own, engine.step_ran = t0, 0.0, bool(total)
 
 
 def _after_launch(orig, runner, *args, **kwargs):
@@ -1354,7 +1367,9 @@ def _run_after_launch(engine, where: str) -> None:
         engine.stats.add("dropped", reason="capture_error")
         engine.warn_once("after-launch", "capture work after the forward's launch failed", exc=True)
     finally:
-        engine.stats.step_parts["after_launch"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        engine.stats.step_parts["after_launch"] += dt
+        engine.step_own = getattr(engine, "step_own", 0.0) + dt
 
 
 def _track(runner, engine, so, t0: float) -> None:

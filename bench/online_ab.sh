@@ -75,7 +75,7 @@ c = r.get("capture", {})
 print(r.get("attn_otel"), {k: c.get(k) for k in (
     "finish_batch_sizes", "finish_batch_reasons", "empty_steps", "stream_spilled_blocks", "side_stream_waits",
     "side_stream_wait_causes", "upload_ring_waits", "stream_flushes", "stream_flush_times", "step_host_s",
-    "spill_at", "block_hold", "step_times", "gc_pauses")},
+    "spill_at", "block_hold", "step_times", "gc_pauses", "step_intervals")},
       r.get("env"))
 PY
   done

@@ -165,6 +165,9 @@ def test_held_blocks_leave_finished_rows_to_their_batch(held_run):
     assert res["hold"]["holds"] > 0 and res["hold"]["skipped"] == 0 and res["hold"]["held"] == 0, res["hold"]
     assert res["hold"]["early"] == 0, res["hold"]  # nothing given back for want of room
     assert stats["block_hold"] == res["hold"], stats  # the scheduler's hold in the stats (vLLM steps it here)
+    iv = stats["step_intervals"]  # the loop's steps that followed a step with tokens, attn-otel's time in each
+    assert 0 < iv["n"] < stats["step_times"]["n"] and 0 < iv["attn_share"] < 1, iv
+    assert iv["slowest_1pct"]["interval_mean"] >= iv["rest"]["interval_mean"] > iv["rest"]["attn_mean"] >= 0, iv
     gcp = stats["gc_pauses"]  # the collector ran in the engine's process while it served, and was timed
     assert sum(gcp["count"]) >= gcp["pauses"]["n"] > 0 and 0 < gcp["pauses"]["max"] <= max(gcp["max_s"]) + 1e-5, gcp
     # the 8 requests at once finish over 21 steps: their batches took several of them each
