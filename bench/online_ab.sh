@@ -11,8 +11,13 @@
 #   call 2:  bash bench/online_ab.sh ab 1 new old  (the default of each, one server after the other)
 #   call 3:  bash bench/online_ab.sh ab 2 old new  (the other order)
 #   (a server's name may carry one variable for it: "ab 3 new@ATTN_OTEL_AFTER_LAUNCH=0 new" A/Bs a switch of
-#   this checkout, no old one needed; "off" is one more capture-off server, online-off-N.json: with several,
-#   the report pools them and shows how far they drift apart, the noise every ratio of the call sits in)
+#   this checkout, no old one needed; each configuration once a call, as its file is named by the call's
+#   number: "ab 1 new off && ab 2 off new" in one device command for more; "off" is one more capture-off
+#   server, online-off-N.json: with several, the report pools them and shows how far they drift apart, the
+#   noise every ratio of the call sits in)
+#
+# The device tool gives an idle machine back after 30 s, which a reply between two calls easily takes (session
+# 46 lost two machines so): send the staging calls and the calls after them together, so they run back to back.
 #
 # Then, here: the calls' ab/ files in one folder, and python3 bench/online_report.py --dir FOLDER --png FILE
 # (a row a server, each configuration's runs pooled and paired by seed, every run plotted).
@@ -59,6 +64,10 @@ ab)
         --out "$dir" > "$dir.log" 2>&1
       echo "$name rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
       cp "$dir/online-off.json" "$OUT/ab/online-off-$run.json"
+      continue
+    fi
+    if [ -e "$OUT/ab/online-default-$name-$run.json" ]; then  # session 46 lost a server this way (both new-1)
+      echo "$name: already served in call $run (a configuration once a call: give the next its own call number)"
       continue
     fi
     cp /tmp/ab/off/online-off.json "$dir/"
