@@ -47,12 +47,12 @@ class Stats:
         # flushes, finished requests' captures), and its total split by part
         self.step_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.step_parts: collections.Counter[str] = collections.Counter(dict.fromkeys(STEP_PARTS, 0.0))
-        # seconds each batch of finished requests' capture work took on the engine loop (attn_otel.deferred), and
-        # the requests in it: the batch lands in one step, so its time is that step's extra latency
         # the engine loop's step intervals (one step's start to the next's, where requests ran between: no idle
         # wait) and attn-otel's own host time inside each (its step hook and its work after the launch): whether
         # the slowest steps, the ones an ITL p99 is made of, are slow because of attn-otel or of something else
         self.step_intervals: collections.deque[tuple[float, float]] = collections.deque(maxlen=10_000)
+        # seconds each batch of finished requests' capture work took on the engine loop (attn_otel.deferred), and
+        # the requests in it: the batch lands in one step, so its time is that step's extra latency
         self.finish_batch_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.finish_batch_sizes: collections.deque[float] = collections.deque(maxlen=10_000)
         # why each batch was taken then (attn_otel.deferred.DeferredFinish.due), and the steps that scheduled no

@@ -190,6 +190,10 @@ SERVER_HISTOGRAMS = ("request_queue_time_seconds", "request_prefill_time_seconds
                      "time_to_first_token_seconds", "inter_token_latency_seconds", "request_inference_time_seconds")
 
 
+_SCRAPED = {f"{h}_{x}" for h in SERVER_HISTOGRAMS for x in ("sum", "count")} | {"num_preemptions_total",
+                                                                                 "num_preemptions"}
+
+
 def scrape() -> dict[str, float]:
     """The server's counters now: ``{name_sum, name_count}`` of :data:`SERVER_HISTOGRAMS` (every label set
     added up) and ``num_preemptions``; ``{}`` where /metrics does not answer."""
@@ -204,9 +208,7 @@ def scrape() -> dict[str, float]:
             continue
         name, _, value = line.partition(" ")
         base = name.split("{")[0][len("vllm:"):]
-        keep = base in {f"{h}_{x}" for h in SERVER_HISTOGRAMS for x in ("sum", "count")} or base in (
-            "num_preemptions_total", "num_preemptions")
-        if keep:
+        if base in _SCRAPED:
             try:
                 out[base] = out.get(base, 0.0) + float(value.split()[0])
             except ValueError:

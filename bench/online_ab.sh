@@ -58,25 +58,20 @@ ab)
     name=$d${var:+-${var//[^A-Za-z0-9]/_}}
     dir=/tmp/ab/$name-$run
     mkdir -p "$dir" "$OUT/ab"
-    if [ "$d" = off ]; then  # another capture-off server (one a call: its file is named by the call's number)
-      [ -e "$OUT/ab/online-off-$run.json" ] && { echo "off: one capture-off server per ab call"; continue; }
-      timeout $((225 + 20 * reps)) python3 bench/overhead.py --online off --capacity "$cap" --repeats "$reps" \
-        --out "$dir" > "$dir.log" 2>&1
-      echo "$name rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
-      cp "$dir/online-off.json" "$OUT/ab/online-off-$run.json"
-      continue
-    fi
-    if [ -e "$OUT/ab/online-default-$name-$run.json" ]; then  # session 46 lost a server this way (both new-1)
+    # capture off ("off": one more reference server, online-off-N.json) or attn-otel's default of new or old
+    if [ "$d" = off ]; then phase=off; keep=$OUT/ab/online-off-$run.json
+    else phase=default; keep=$OUT/ab/online-default-$name-$run.json; cp /tmp/ab/off/online-off.json "$dir/"; fi
+    if [ -e "$keep" ]; then  # session 46 lost a server this way (both new-1)
       echo "$name: already served in call $run (a configuration once a call: give the next its own call number)"
       continue
     fi
-    cp /tmp/ab/off/online-off.json "$dir/"
     pp=""; [ "$d" = old ] && pp="/tmp/old:"
     PYTHONPATH=$pp${PYTHONPATH:-} timeout $((225 + 20 * reps)) python3 bench/overhead.py \
-      --online default ${var:+--env "$var"} --capacity "$cap" --repeats "$reps" --out "$dir" \
+      --online "$phase" ${var:+--env "$var"} --capacity "$cap" --repeats "$reps" --out "$dir" \
       > "$dir.log" 2>&1
     echo "$name rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
-    cp "$dir/online-default.json" "$OUT/ab/online-default-$name-$run.json"
+    cp "$dir/online-$phase.json" "$keep"
+    [ "$phase" = off ] && continue
     python3 - "$dir/online-default.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

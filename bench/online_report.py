@@ -197,24 +197,31 @@ def markdown(a: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _draw(ax, a: dict, key: str, names: list[str], legend: bool = False) -> None:
+    """One axis: every run's ``key`` ratio to capture off's run of its seed (a colour a server, side by side), each
+    configuration's pooled median as a bar, and the 3% band; ``names`` label the configurations."""
+    cfgs = list(a["configs"])
+    for i, cfg in enumerate(cfgs):
+        groups = a["configs"][cfg]["per_run"][key]
+        for j, g in enumerate(groups):  # each server's runs, side by side
+            xs = [i + (j - (len(groups) - 1) / 2) * 0.18] * len(g)
+            ax.scatter(xs, g, s=18, alpha=0.75, label=None)
+        ax.hlines(a["configs"][cfg]["ratio"][key], i - 0.35, i + 0.35, color="k", lw=2)
+    ax.axhspan(0.97, 1.03, color="#55a868", alpha=0.15, lw=0,
+               label="within 3% (issue 22's p99 target)" if legend else None)
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set_xticks(range(len(cfgs)), names, **({} if legend else {"fontsize": 7, "rotation": 15}))
+
+
 def plot(a: dict, png: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cfgs = list(a["configs"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     for ax, key, label in zip(axes, ("itl_p99_s", "ttft_p99_s"), ("ITL p99", "TTFT p99")):
-        for i, cfg in enumerate(cfgs):
-            groups = a["configs"][cfg]["per_run"][key]
-            for j, g in enumerate(groups):  # each server's runs, side by side
-                xs = [i + (j - (len(groups) - 1) / 2) * 0.18] * len(g)
-                ax.scatter(xs, g, s=18, alpha=0.75, label=None)
-            ax.hlines(a["configs"][cfg]["ratio"][key], i - 0.35, i + 0.35, color="k", lw=2)
-        ax.axhspan(0.97, 1.03, color="#55a868", alpha=0.15, lw=0, label="within 3% (issue 22's p99 target)")
-        ax.axhline(1.0, color="k", lw=0.6)
-        ax.set_xticks(range(len(cfgs)), cfgs)
+        _draw(ax, a, key, list(a["configs"]), legend=True)
         ax.set_title(label, fontsize=9)
     axes[0].set_ylabel("ratio to capture off")
     axes[0].legend(loc="upper right", fontsize=7)
@@ -235,22 +242,13 @@ def plot_calls(calls: list[tuple[str, dict]], png: Path, title: str) -> None:
 
     fig, axes = plt.subplots(2, len(calls), figsize=(4.7 * len(calls), 7), sharey=True, squeeze=False)
     for j, (key, a) in enumerate(calls):
-        cfgs = list(a["configs"])
+        names = [c.replace("new-ATTN_OTEL_", "").replace("new", "default") for c in a["configs"]]
+        device = (a["off"]["device"] or "").split(", ")[-1][:12]
         for i, (metric, label) in enumerate((("itl_p99_s", "ITL p99"), ("ttft_p99_s", "TTFT p99"))):
-            ax = axes[i][j]
-            for c, cfg in enumerate(cfgs):
-                groups = a["configs"][cfg]["per_run"][metric]
-                for gi, g in enumerate(groups):
-                    ax.scatter([c + (gi - (len(groups) - 1) / 2) * 0.15] * len(g), g, s=16, alpha=0.75)
-                ax.hlines(a["configs"][cfg]["ratio"][metric], c - 0.35, c + 0.35, color="k", lw=2)
-            ax.axhspan(0.97, 1.03, color="#55a868", alpha=0.2, lw=0)
-            ax.axhline(1.0, color="k", lw=0.6)
-            ax.set_xticks(range(len(cfgs)), [c.replace("new-ATTN_OTEL_", "").replace("new", "default") for c in cfgs],
-                          fontsize=7, rotation=15)
-            device = (a["off"]["device"] or "").split(", ")[-1][:12]
-            ax.set_title(f"{key} ({device}): {label}", fontsize=9)
+            _draw(axes[i][j], a, metric, names)
+            axes[i][j].set_title(f"{key} ({device}): {label}", fontsize=9)
             if j == 0:
-                ax.set_ylabel(f"{label}, ratio to capture off")
+                axes[i][j].set_ylabel(f"{label}, ratio to capture off")
     fig.suptitle(f"{title}\ndots: each run's p99 against the capture-off run of the same seed (a colour a server); bar: "
                  "the configuration's pooled median; green: within 3%; 'off vs off': each capture-off server against "
                  "the others", fontsize=8)
@@ -274,39 +272,28 @@ def main(argv=None) -> int:
         if args.collection:
             if not args.key:
                 ap.error("--collection needs --key")
-            keys = args.key.split(",")
-            if len(keys) > 1:
-                calls = [(k, analyse(*from_collection(args.collection, k))) for k in keys]
-                text = "".join(f"## {k}\n\n{markdown(a)}\n" for k, a in calls)
-                if args.md:
-                    args.md.write_text(text)
-                else:
-                    print(text, end="")
-                if args.png:
-                    plot_calls(calls, args.png, f"online A/B, {args.collection.name} {args.key}")
-                if args.json:
-                    args.json.write_text(json.dumps(dict(calls), indent=1))
-                return 0
-            off, servers = from_collection(args.collection, args.key)
+            calls = [(k, analyse(*from_collection(args.collection, k))) for k in args.key.split(",")]
             title = f"{args.collection.name} {args.key}"
         else:
-            off, servers = from_dir(args.dir)
+            calls = [(str(args.dir), analyse(*from_dir(args.dir)))]
             title = str(args.dir)
-        a = analyse(off, servers)
     except (ReportError, OSError, json.JSONDecodeError) as e:
         print(f"online_report: {e}", file=sys.stderr)
         return 2
-    text = markdown(a)
+    one = calls[0][1] if len(calls) == 1 else None  # one call: its tables and plot; several: a section and a column each
+    text = markdown(one) if one else "".join(f"## {k}\n\n{markdown(a)}\n" for k, a in calls)
     if args.md:
         args.md.write_text(text)
     else:
         print(text, end="")
     if args.png:
-        plot(a, args.png, f"online A/B, {title}: {a['off']['device'] or ''}")
+        if one:
+            plot(one, args.png, f"online A/B, {title}: {one['off']['device'] or ''}")
+        else:
+            plot_calls(calls, args.png, f"online A/B, {title}")
     if args.json:
-        args.json.write_text(json.dumps(a, indent=1))
+        args.json.write_text(json.dumps(one if one else dict(calls), indent=1))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
