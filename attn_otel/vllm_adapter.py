@@ -1285,9 +1285,12 @@ def _before_step(orig, runner, scheduler_output, *args, **kwargs):
 
 def _step_interval(engine, so, t0: float) -> None:
     """The interval from the last step's start to this one's, with attn-otel's own host time in it (stats:
-    ``step_intervals``), where the last step ran tokens (so the loop did not wait for requests between)."""
+    ``step_intervals``), where the last step ran tokens and this one runs a request that was running before it
+    (so the loop did not wait for requests between: after the last request of a burst finishes, the next step
+    runs new requests only, and its interval holds the idle wait; run 33 counted a 10 s one)."""
     last = getattr(engine, "step_start", None)
-    if last is not None and engine.step_ran:
+    cached = getattr(getattr(so, "scheduled_cached_reqs", None), "req_ids", None)
+    if last is not None and engine.step_ran and cached:
         engine.stats.step_intervals.append((t0 - last, engine.step_own))
     total = getattr(so, "total_num_scheduled_tokens", None)
     engine.step_start, engine.step_own, engine.step_ran = t0, 0.0, bool(total)

@@ -9,7 +9,11 @@ prints, per thread, its samples, and the frames (function, file) with the larges
     python3 bench/host_profile.py DIR/pyspy-online-default.txt --own
 
 ``--own`` prints only the engine loop's main thread: attn-otel's own share of it by part (the table in
-docs/benchmarks/overhead.md) and the share it waits for the GPU.  A sample is attn-otel's own where its
+docs/benchmarks/overhead.md) and the share it waits for the GPU; ``--against OFF.txt`` (a capture-off server's
+stacks, sampled the same way) puts the main thread's split beside capture off's: waiting for the GPU, waiting
+for requests, attn-otel's own code, vLLM's own code (run 33: where the time attn-otel adds comes from):
+
+    python3 bench/host_profile.py DIR/pyspy-online-default.txt --against DIR/pyspy-online-off.txt  A sample is attn-otel's own where its
 deepest attn-otel frame runs attn-otel's code, not vLLM's call inside one of attn-otel's wrappers (the
 patched methods, the tapped forward, the step hook's call of vLLM's scheduler).
 """
@@ -35,7 +39,7 @@ def parse(path: Path) -> dict[str, list[tuple[list[str], int]]]:
     """Per thread name: (frames root first, samples) for each collapsed stack."""
     threads: dict[str, list[tuple[list[str], int]]] = collections.defaultdict(list)
     names: dict[str, str] = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():  # py-spy may write a stray byte in a name
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
@@ -121,6 +125,30 @@ def own_shares(threads: dict, package: str = "attn_otel/") -> dict:
             "gpu_wait": wait / total if total else 0.0}
 
 
+def main_split(threads: dict) -> dict:
+    """The main thread's samples split four ways (shares): ``gpu_wait`` (a CUDA ``synchronize`` outside
+    attn-otel's frames), ``request_wait`` (vLLM's loop waiting for requests: ``_process_input_queue``),
+    ``attn_otel`` (its own code, as :func:`own_shares` counts it) and ``vllm`` (the rest: vLLM's, torch's and
+    Triton's host code)."""
+    own = own_shares(threads)
+    total = own["samples"]
+    idle = sum(n for frames, n in threads[own["thread"]]
+               if any(f.split(" (")[0].endswith("_process_input_queue") for f in frames)) / total if total else 0.0
+    rest = 1.0 - own["gpu_wait"] - idle - own["total"]
+    return {"samples": total, "gpu_wait": own["gpu_wait"], "request_wait": idle, "attn_otel": own["total"],
+            "vllm": rest}
+
+
+def format_against(on: dict, off: dict) -> str:
+    rows = (("waiting for the GPU", "gpu_wait"), ("waiting for requests", "request_wait"),
+            ("attn-otel's own code", "attn_otel"), ("vLLM's own code (and torch's, Triton's)", "vllm"))
+    lines = [f"the engine loop's main thread: {on['samples']} samples, capture off {off['samples']}",
+             f"{'':42s} {'capture on':>10s} {'off':>7s} {'on - off':>9s}"]
+    lines += [f"{name:42s} {100 * on[k]:9.1f}% {100 * off[k]:6.1f}% {100 * (on[k] - off[k]):+8.1f}"
+              for name, k in rows]
+    return "\n".join(lines)
+
+
 def format_own(own: dict) -> str:
     lines = [f"## {own['thread']}: {own['samples']} samples", "attn-otel's own time, by part:"]
     lines += [f"  {100 * v:5.1f}%  {p}" for p, v in own["parts"].items()]
@@ -135,14 +163,21 @@ def main(argv=None) -> int:
     ap.add_argument("--match", help="also list the inclusive share of frames containing this text")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--own", action="store_true", help="the main thread only: attn-otel's own share by part")
+    ap.add_argument("--against", type=Path, help="a capture-off server's stacks: the main thread's split beside it")
     args = ap.parse_args(argv)
-    if not args.path.exists():
-        print(f"no such file: {args.path}", file=sys.stderr)
-        return 2
-    threads = parse(args.path)
-    if not threads:
-        print(f"no stacks in {args.path}", file=sys.stderr)
-        return 1
+    parsed = []
+    for path in [args.path] + ([args.against] if args.against else []):
+        if not path.exists():
+            print(f"no such file: {path}", file=sys.stderr)
+            return 2
+        parsed.append(parse(path))
+        if not parsed[-1]:
+            print(f"no stacks in {path}", file=sys.stderr)
+            return 1
+    threads = parsed[0]
+    if args.against:
+        print(format_against(main_split(threads), main_split(parsed[1])))
+        return 0
     print(format_own(own_shares(threads)) if args.own else summarise(threads, args.match, args.top))
     return 0
 

@@ -78,3 +78,31 @@ def test_own_shares_count_attn_otels_code_not_vllms_inside_its_wrappers(tmp_path
     assert host_profile.main([str(path), "--own"]) == 0
     out = capsys.readouterr().out
     assert " 21.2%  total" in out and "waiting for the GPU (synchronize): 18.8%" in out
+
+
+OFF = """\
+thread (0x1): MainThread;loop (vllm/v1/engine/core.py:1);Scheduler.schedule (vllm/v1/core/sched/scheduler.py:9) 30
+thread (0x1);loop (vllm/v1/engine/core.py:1);execute_model (vllm/v1/worker/gpu/model_runner.py:2) 40
+thread (0x1);loop (vllm/v1/engine/core.py:1);Event.synchronize (torch/cuda/streams.py:231) 20
+thread (0x1);loop (vllm/v1/engine/core.py:1);_process_input_queue (vllm/v1/engine/core.py:5);get (queue.py:1) 10
+"""
+
+
+def test_against_capture_off_splits_the_main_thread_four_ways(tmp_path, capsys):
+    """``--against``: the main thread's split (GPU wait, request wait, attn-otel's, vLLM's) beside capture off's;
+    a stray byte in a frame name (py-spy wrote one in run 33) is read, not a UnicodeDecodeError."""
+    on, off = tmp_path / "on.txt", tmp_path / "off.txt"
+    on.write_bytes(OWN.encode() + b"thread (0x1);loop (vllm/v1/engine/core.py:1);_process_input_queue (vllm/v1/"
+                   b"engine/core.py:5);get (qu\xffeue.py:1) 40\n")
+    off.write_text(OFF)
+    split = host_profile.main_split(host_profile.parse(on))
+    assert split["samples"] == 200 and split["gpu_wait"] == 30 / 200 and split["request_wait"] == 40 / 200
+    assert abs(split["attn_otel"] - 34 / 200) < 1e-12 and abs(split["vllm"] - 96 / 200) < 1e-12
+    assert host_profile.main([str(on), "--against", str(off)]) == 0
+    out = capsys.readouterr().out
+    assert "capture off 100" in out
+    row = next(line for line in out.splitlines() if line.startswith("waiting for the GPU"))
+    assert row.split()[-3:] == ["15.0%", "20.0%", "-5.0"]
+    row = next(line for line in out.splitlines() if line.startswith("attn-otel's own code"))
+    assert row.split()[-3:] == ["17.0%", "0.0%", "+17.0"]
+    assert host_profile.main([str(on), "--against", str(tmp_path / "none.txt")]) == 2
