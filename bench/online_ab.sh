@@ -22,6 +22,12 @@
 # Then, here: the calls' ab/ files in one folder, and python3 bench/online_report.py --dir FOLDER --png FILE
 # (a row a server, each configuration's runs pooled and paired by seed, every run plotted).
 #
+# Where the engine loop's time goes, capture off against on (run 33): py-spy on each server's engine core,
+#   here:    .venv/bin/python -m pip download py-spy==0.4.2 --no-deps --only-binary :all: -d .gpu/scripts
+#   call:    bash bench/online_ab.sh profile off && bash bench/online_ab.sh profile default   (after install; carry
+#            .gpu/scripts; ~300 s for the two on a warm machine, REPEATS runs each)
+#   here:    python3 bench/host_profile.py DIR/pyspy-online-default.txt --against DIR/pyspy-online-off.txt
+#
 # Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
 # 39.47, run 15's) sets the load (80% of it); REPEATS (default 3) the measured runs a server: the ITL p99 of one
 # run spreads by up to 20 ms at this load (runs 22-25), so more runs a server buy more than more servers.
@@ -48,6 +54,23 @@ off)  # capture off, the ratios' reference (a fresh machine compiles for ~220 s 
     > /tmp/ab/off.log 2>&1
   echo "off rc $?"; grep -E "^\[online|Error" /tmp/ab/off.log | tail -5
   cp /tmp/ab/off/online-off.json "$OUT/ab/"
+  ;;
+profile)  # one server (off, or this checkout's default) with py-spy on its engine core: $OUT/pp/pyspy-online-PHASE.txt
+  ph=${2:-}
+  case "$ph" in off|default) ;; *) echo "profile: give the phase, off or default (not '$ph')"; exit 2 ;; esac
+  spydir=${PYSPY_DIR:-/tmp/pyspy}  # where the wheel is unpacked, once a machine
+  if [ ! -x "$spydir/spy" ]; then
+    whl=$(ls .gpu/scripts/py_spy-*.whl 2>/dev/null | head -1)
+    [ -n "$whl" ] || { echo "no py-spy wheel in .gpu/scripts (see this script's header)"; exit 1; }
+    mkdir -p "$spydir" && (cd "$spydir" && python3 -m zipfile -e "$OLDPWD/$whl" .)
+    spy=$(find "$spydir" -name py-spy -type f | head -1); chmod +x "$spy"; ln -sf "$spy" "$spydir/spy"
+  fi
+  source /tmp/gpu-env.sh
+  mkdir -p "/tmp/pp-$ph" "$OUT/pp"
+  BENCH_PYSPY=$spydir/spy timeout $((300 + 20 * reps)) python3 bench/overhead.py --online "$ph" --capacity "$cap" \
+    --repeats "$reps" --out "/tmp/pp-$ph" > "/tmp/pp-$ph.log" 2>&1
+  echo "$ph rc $?"; grep -E "^\[online|Error|py-spy" "/tmp/pp-$ph.log" | tail -6
+  cp "/tmp/pp-$ph"/online-*.json "/tmp/pp-$ph"/pyspy-* "$OUT/pp/" 2>/dev/null
   ;;
 ab)
   source /tmp/gpu-env.sh
