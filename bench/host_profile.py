@@ -11,11 +11,11 @@ prints, per thread, its samples, and the frames (function, file) with the larges
 ``--own`` prints only the engine loop's main thread: attn-otel's own share of it by part (the table in
 docs/benchmarks/overhead.md) and the share it waits for the GPU; ``--against OFF.txt`` (a capture-off server's
 stacks, sampled the same way) puts the main thread's split beside capture off's: waiting for the GPU, waiting
-for requests, attn-otel's own code, vLLM's own code (run 33: where the time attn-otel adds comes from):
+for requests, attn-otel's own code, vLLM's own code (run 33: where the time attn-otel adds comes from).  A
+sample is attn-otel's own where its deepest attn-otel frame runs attn-otel's code, not vLLM's call inside one
+of attn-otel's wrappers (the patched methods, the tapped forward, the step hook's call of vLLM's scheduler):
 
-    python3 bench/host_profile.py DIR/pyspy-online-default.txt --against DIR/pyspy-online-off.txt  A sample is attn-otel's own where its
-deepest attn-otel frame runs attn-otel's code, not vLLM's call inside one of attn-otel's wrappers (the
-patched methods, the tapped forward, the step hook's call of vLLM's scheduler).
+    python3 bench/host_profile.py DIR/pyspy-online-default.txt --against DIR/pyspy-online-off.txt
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main_split(threads: dict) -> dict:
     own = own_shares(threads)
     total = own["samples"]
     idle = sum(n for frames, n in threads[own["thread"]]
-               if any(f.split(" (")[0].endswith("_process_input_queue") for f in frames)) / total if total else 0.0
+               if any(_is(f, "_process_input_queue", "vllm/") for f in frames)) / total if total else 0.0
     rest = 1.0 - own["gpu_wait"] - idle - own["total"]
     return {"samples": total, "gpu_wait": own["gpu_wait"], "request_wait": idle, "attn_otel": own["total"],
             "vllm": rest}

@@ -53,7 +53,6 @@ def main() -> None:
     query = torch.randn(n, hq * d, dtype=torch.bfloat16, device=dev)
     slot_mapping = torch.randperm(slots, device=dev)[:n].to(torch.int64)
     table = torch.full((slots + 1,), -1, dtype=torch.int64, device=dev)
-    head = torch.zeros(1, dtype=torch.int64, device=dev)
     base = torch.zeros(1, dtype=torch.int64, device=dev)
 
     def wrapper():
@@ -105,7 +104,6 @@ def main() -> None:
     for name, fn in ways.items():  # each way writes the rows the wrapper writes
         ring.zero_()
         table.fill_(-1)
-        head.zero_()
         base.zero_()
         fn()
         torch.cuda.synchronize()

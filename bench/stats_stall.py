@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIELDS = ("latencies", "write_latencies", "loop_times", "step_times", "finish_batch_times", "finish_batch_sizes")
+sys.path.insert(0, str(ROOT))
+from attn_otel.stats import QUANTILE_FIELDS  # noqa: E402  (the deques filled, in the old stats.py too)
 
 
 def load_stats(path: str):
@@ -47,7 +48,7 @@ def phase(stats_py: str, dump: bool, seconds: float, step_ms: float, dump_s: flo
     sys.setswitchinterval(switch_ms / 1000)
     stats = load_stats(stats_py).Stats()
     rng = np.random.default_rng(0)
-    for name in FIELDS:
+    for name in QUANTILE_FIELDS:
         getattr(stats, name).extend(rng.random(10_000).tolist())
     stats.step_intervals.extend(zip(rng.random(10_000).tolist(), rng.random(10_000).tolist()))
     stop = threading.Event()
