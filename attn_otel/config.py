@@ -149,6 +149,13 @@ queries, and vLLM's own KV-cache write for that layer is skipped (one launch per
 two; where the launch cannot be made, vLLM's write runs as before).  ``vllm``: vLLM writes its cache and
 attn-otel keeps the queries in a launch of its own."""
 
+ATTN_OTEL_LAUNCH = "ATTN_OTEL_LAUNCH"
+"""How the taps' launches in every eager forward (the queries and keys kept, the ring's row counter moved on)
+reach the GPU.  ``bound`` (default): the first launch of each argument specialisation goes through Triton's
+JIT call, which compiles or finds the kernel; later ones launch that kernel through its own launcher, without
+Triton's per-call binding and cache lookup (on an H100 about 10 us of the engine loop's host time a launch
+against 28, ``bench/launch_cost.py``).  ``jit``: Triton's JIT call every time, as up to 2026-11-28."""
+
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """Whether the request's token ids are stored with its capture (``attn-otel show`` then labels axes with
 them).  Token ids are content: by default (unset) they are stored only where OpenTelemetry's GenAI
@@ -318,6 +325,7 @@ class Config:
     after_launch_at: str = "execute"
     hold_finished: bool = True
     kv_write: str = "fused"
+    launch: str = "bound"
     view_url: str | None = None
 
     @classmethod
@@ -360,6 +368,7 @@ class Config:
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)
+        values["launch"] = _choice(env, ATTN_OTEL_LAUNCH, ("bound", "jit"), d.launch)
         values["view_url"] = _view_url(env.get(ATTN_OTEL_VIEW_URL))
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 import torch
@@ -474,13 +475,89 @@ if triton is not None:
         tl.store(HEAD, (h + tl.sum(cnt, 0)) % ring)
 
 
+# ------------------------------------------------------------------ launches bound once per specialisation
+_BOUND: dict = {}  # (kernel, constexprs, device, the arguments' specialisation) -> Triton's compiled kernel
+_LAUNCH = ["bound"]  # "bound" or "jit": see bound_launch()
+_BOUND_MAX = 4096  # entries kept (a key per distinct integer argument, e.g. ring_advance's token count)
+
+
+def bound_launch(mode: str) -> None:
+    """How :func:`scatter_rows` and :func:`ring_advance`, the launches of every eager forward, reach the GPU
+    (``ATTN_OTEL_LAUNCH``): ``bound`` (default) launches the kernel Triton compiled for the same
+    specialisation straight through its launcher, ``jit`` through ``kernel[grid](...)`` on every call (on an
+    H100 28 us of host time a call against 10, ``bench/launch_cost.py``).  Process-wide."""
+    if mode not in ("bound", "jit"):
+        raise ValueError(f"launch mode {mode!r}: expected 'bound' or 'jit'")
+    _LAUNCH[0] = mode
+
+
+def _key(fn, consts: tuple, device: int, args: tuple) -> tuple | None:
+    """The bound launch's cache key: finer than Triton's own specialisation of ``args`` (equal here, equal
+    there), and cheap enough for every launch of an eager forward.  Integers are keyed by value (Triton tells
+    them apart by being 1, by divisibility by 16 and by width); tensors by dtype, where every one of them is
+    16-byte aligned (Triton tells tensors apart by dtype and that alignment).  None where a tensor is not
+    aligned or an argument is of another kind: the launch takes Triton's JIT call."""
+    key = [fn, consts, device]
+    ptrs = 0
+    try:
+        for a in args:
+            if type(a) is int:
+                key.append(a)
+            else:
+                key.append(a.dtype)
+                ptrs |= a.data_ptr()
+    except AttributeError:
+        return None
+    return tuple(key) if ptrs % 16 == 0 else None
+
+
+def _launch_bound(fn, n: int, args: tuple, consts: tuple) -> None:
+    """``fn[(n,)](*args, **constexprs, num_warps=4)``, with ``consts`` the values of ``fn``'s constexpr
+    parameters (its last ones, in order).  The first call of each :func:`_key` goes through Triton's JIT, which
+    compiles or finds the kernel; the calls after it launch that kernel through its own launcher on the current
+    stream (graph-safe like the JIT call), without Triton's per-call binding and cache lookup.  With a launch
+    hook set (a profiler's), an unaligned tensor or an argument of another kind: the JIT call every time."""
+    key = None
+    if _LAUNCH[0] == "bound" and triton.knobs.runtime.launch_enter_hook is None:
+        drv = _driver()
+        device = drv.get_current_device()
+        key = _key(fn, consts, device, args)
+        k = _BOUND.get(key) if key is not None else None
+        if k is not None:
+            k.run(n, 1, 1, drv.get_current_stream(device), k.function, k.packed_metadata, None, None,
+                  triton.knobs.runtime.launch_exit_hook, *args, *consts)
+            return
+    kernel = fn[(n,)](*args, **dict(zip(_constexpr_names(fn), consts)), num_warps=4)
+    if key is not None and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
+        if len(_BOUND) >= _BOUND_MAX:
+            _BOUND.clear()
+        _BOUND[key] = kernel
+
+
+@functools.cache
+def _driver():
+    from triton.runtime.driver import driver
+
+    return driver.active
+
+
+@functools.cache
+def _constexpr_names(fn) -> tuple[str, ...]:
+    """``fn``'s constexpr parameters, which must be its last ones (:func:`_launch_bound` appends their values)."""
+    params = list(fn.params)
+    first = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
+    if not all(p.is_constexpr for p in params[first:]):
+        raise TypeError(f"{fn.fn.__name__}: its constexpr parameters must come last")
+    return tuple(p.name for p in params[first:])
+
+
 def ring_advance(index: torch.Tensor, head: torch.Tensor, base: torch.Tensor, ring: int) -> None:
     """Graph-safe, once per forward before its :func:`scatter_rows` with ``base``: ``base = head``, then
     ``head`` (both ``[1]`` int64 on ``index``'s device) moves on by the tokens of ``index`` that have a slot
     (``>= 0``; padded tokens have none), modulo ``ring``."""
     n = index.shape[0]
     if available(index.device):
-        _ring_advance[(1,)](index, n, head, base, int(ring), BLOCK=1024, num_warps=4)
+        _launch_bound(_ring_advance, 1, (index, n, head, base, int(ring)), (1024,))
         return
     base.copy_(head)
     head.copy_((head + (index >= 0).sum()) % int(ring))
@@ -507,13 +584,14 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
     to that row, so the host need not give tokens rows before the forward."""
     n = index.shape[0]
     pairs = [(dst, src)] + ([(dst2, src2)] if dst2 is not None else [])
-    if (available(dst.device) and n > 0 and all(
-            s.device == d.device and s.shape[0] >= n and s[0].numel() == d[0].numel()
+    # (the checks cost host time in every eager forward: device ordinals and sizes, no views made)
+    if (triton is not None and dst.is_cuda and n > 0 and all(
+            s.get_device() == d.get_device() and s.shape[0] >= n and _row_numel(s) == _row_numel(d)
             and _rows_contiguous(d) and _rows_contiguous(s) for d, s in pairs)
-            and (kv is None or _kv_fits(kv, n, dst.device))):
+            and (kv is None or _kv_fits(kv, n, dst.get_device()))):
         tab = table if table is not None else index
         d2, s2 = pairs[-1]
-        C, C2 = dst[0].numel(), d2[0].numel()
+        C, C2 = _row_numel(dst), _row_numel(d2)
         if kv is None:
             k = v = kc = vc = src
             kvs, Hkv, D = (0,) * 9, 1, 1
@@ -521,12 +599,11 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
             k, v, kc, vc = kv
             Hkv, D = kc.shape[2], kc.shape[3]
             kvs = (k.stride(0), v.stride(0), *kc.stride()[:3], *vc.stride()[:3], kc.shape[1])
-        _scatter_rows[(n,)](src, dst, index, tab, s2, d2, src.stride(0), dst.stride(0), s2.stride(0),
-                            d2.stride(0), int(pad), k, v, kc, vc, *kvs, base if base is not None else index,
-                            int(pad), C=C, C2=C2, HAS_TABLE=table is not None,
-                            PAIRS=len(pairs), BLOCK=triton.next_power_of_2(C), BLOCK2=triton.next_power_of_2(C2),
-                            KV=kv is not None, HKV=Hkv, D=D, BH=triton.next_power_of_2(Hkv),
-                            BD=triton.next_power_of_2(D), RING=base is not None, num_warps=4)
+        _launch_bound(_scatter_rows, n, (src, dst, index, tab, s2, d2, src.stride(0), dst.stride(0), s2.stride(0),
+                                         d2.stride(0), int(pad), k, v, kc, vc, *kvs,
+                                         base if base is not None else index, int(pad)),
+                      (C, C2, table is not None, len(pairs), _pow2(C), _pow2(C2), kv is not None, Hkv, D,
+                       _pow2(Hkv), _pow2(D), base is not None))
         return True
     if base is not None:
         idx = index.to(torch.long)
@@ -542,14 +619,14 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
     return False
 
 
-def _kv_fits(kv: tuple, n: int, device: torch.device) -> bool:
+def _kv_fits(kv: tuple, n: int, ordinal: int) -> bool:
     """Whether the Triton launch can write ``kv = (key, value, key_cache, value_cache)``: token rows of
     ``[Hkv, D]`` each contiguous, caches ``[blocks, block_size, Hkv, D]`` of one shape with ``D`` contiguous,
-    everything on ``device``."""
+    everything on the CUDA device of this ``ordinal``."""
     k, v, kc, vc = kv
     return (kc.dim() == 4 and vc.shape == kc.shape and kc.stride(3) == 1 and vc.stride(3) == 1
-            and all(t.device == device for t in kv)
-            and all(t.shape[0] >= n and t[0].numel() == kc.shape[2] * kc.shape[3] and _rows_contiguous(t)
+            and all(t.get_device() == ordinal for t in kv)
+            and all(t.shape[0] >= n and _row_numel(t) == kc.shape[2] * kc.shape[3] and _rows_contiguous(t)
                     for t in (k, v)))
 
 
@@ -617,8 +694,20 @@ def warm_up_summaries(device: torch.device, widths: tuple[int, ...] = (7,)) -> i
     return len(variants)
 
 
+def _row_numel(t: torch.Tensor) -> int:
+    """Elements in one row ``t[i]`` (``t[0].numel()`` without making the view)."""
+    return math.prod(t.shape[1:])
+
+
+def _pow2(x: int) -> int:
+    """The smallest power of two >= ``x`` (>= 1), as ``triton.next_power_of_2``."""
+    return 1 << (x - 1).bit_length() if x > 1 else 1
+
+
 def _rows_contiguous(t: torch.Tensor) -> bool:
     """Each row ``t[i]`` is one contiguous run of memory."""
+    if t.dim() == 2:  # the taps' rows, on every eager forward's path
+        return t.stride(1) == 1 or t.shape[1] == 1
     expected = 1
     for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
         if size != 1 and stride != expected:

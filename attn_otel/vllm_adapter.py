@@ -916,6 +916,9 @@ def _install(runner, kv_cache_config) -> None:
     from .config import Config
 
     config = Config.from_env()
+    from . import triton_metrics
+
+    triton_metrics.bound_launch(config.launch)
     groups_by_layer = {}
     block_sizes = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):

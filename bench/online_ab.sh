@@ -25,7 +25,8 @@
 # Where the engine loop's time goes, capture off against on (run 33): py-spy on each server's engine core,
 #   here:    .venv/bin/python -m pip download py-spy==0.4.2 --no-deps --only-binary :all: -d .gpu/scripts
 #   call:    bash bench/online_ab.sh profile off && bash bench/online_ab.sh profile default   (after install; carry
-#            .gpu/scripts; ~300 s for the two on a warm machine, REPEATS runs each)
+#            .gpu/scripts; ~300 s for the two on a warm machine, REPEATS runs each; "profile
+#            default@ATTN_OTEL_LAUNCH=jit" profiles the default with one variable, into $OUT/pp/NAME/)
 #   here:    python3 bench/host_profile.py DIR/pyspy-online-default.txt --against DIR/pyspy-online-off.txt
 #
 # Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
@@ -56,8 +57,12 @@ off)  # capture off, the ratios' reference (a fresh machine compiles for ~220 s 
   cp /tmp/ab/off/online-off.json "$OUT/ab/"
   ;;
 profile)  # one server (off, or this checkout's default) with py-spy on its engine core: $OUT/pp/pyspy-online-PHASE.txt
-  ph=${2:-}
+  # (default@ATTN_OTEL_X=V: the default with one variable; its files go to $OUT/pp/NAME/, NAME the spec in
+  # letters, digits and _, so that two of them in one call keep theirs)
+  spec=${2:-}; ph=${spec%%@*}; var=""; [ "$spec" != "$ph" ] && var=${spec#*@}
   case "$ph" in off|default) ;; *) echo "profile: give the phase, off or default (not '$ph')"; exit 2 ;; esac
+  [ -n "$var" ] && [ "$ph" = off ] && { echo "profile: a variable is for the default, not off"; exit 2; }
+  name=$ph${var:+-${var//[^A-Za-z0-9]/_}}
   spydir=${PYSPY_DIR:-/tmp/pyspy}  # where the wheel is unpacked, once a machine
   if [ ! -x "$spydir/spy" ]; then
     whl=$(ls .gpu/scripts/py_spy-*.whl 2>/dev/null | head -1)
@@ -66,11 +71,12 @@ profile)  # one server (off, or this checkout's default) with py-spy on its engi
     spy=$(find "$spydir" -name py-spy -type f | head -1); chmod +x "$spy"; ln -sf "$spy" "$spydir/spy"
   fi
   source /tmp/gpu-env.sh
-  mkdir -p "/tmp/pp-$ph" "$OUT/pp"
-  BENCH_PYSPY=$spydir/spy timeout $((300 + 20 * reps)) python3 bench/overhead.py --online "$ph" --capacity "$cap" \
-    --repeats "$reps" --out "/tmp/pp-$ph" > "/tmp/pp-$ph.log" 2>&1
-  echo "$ph rc $?"; grep -E "^\[online|Error|py-spy" "/tmp/pp-$ph.log" | tail -6
-  cp "/tmp/pp-$ph"/online-*.json "/tmp/pp-$ph"/pyspy-* "$OUT/pp/" 2>/dev/null
+  keep=$OUT/pp; [ -n "$var" ] && keep=$OUT/pp/$name
+  mkdir -p "/tmp/pp-$name" "$keep"
+  BENCH_PYSPY=$spydir/spy timeout $((300 + 20 * reps)) python3 bench/overhead.py --online "$ph" ${var:+--env "$var"} \
+    --capacity "$cap" --repeats "$reps" --out "/tmp/pp-$name" > "/tmp/pp-$name.log" 2>&1
+  echo "$name rc $?"; grep -E "^\[online|Error|py-spy" "/tmp/pp-$name.log" | tail -6
+  cp "/tmp/pp-$name"/online-*.json "/tmp/pp-$name"/pyspy-* "$keep/" 2>/dev/null
   ;;
 ab)
   source /tmp/gpu-env.sh

@@ -106,6 +106,81 @@ def test_scatter_rows_equals_index_copy():
     assert tk[:S].abs().sum() > 0
 
 
+def test_bound_launches_write_what_the_jit_call_writes():
+    """``ATTN_OTEL_LAUNCH=bound``: after the first launch of an argument specialisation, scatter_rows and
+    ring_advance launch Triton's compiled kernel through its own launcher.  Call after call, with a source that
+    is not 16-byte aligned (a view one element in: Triton's JIT call) and one that is, pads of 1, 16, 17 and 64
+    (Triton specialises integers on being 1 and on divisibility by 16), with and without the ring's base, each launch writes what ``kernel[grid]`` (``jit``) writes and
+    index_copy_ would; a specialisation met again is launched from the cache (no new entry); and a CUDA graph
+    captured on bound launches replays onto new inputs."""
+    from attn_otel import triton_metrics as tm
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    H, D, n, S = 4, 64, 24, 200
+    big = torch.randn(n + 8, H * D + 2, device="cuda", generator=g).bfloat16()
+    srcs = {"aligned": big[:, :H * D], "one element in": big[:, 1:H * D + 1]}
+    assert srcs["aligned"].data_ptr() % 16 == 0 and srcs["one element in"].data_ptr() % 16 != 0
+    assert tm._key("k", (), 0, (srcs["one element in"],)) is None  # unaligned: Triton's JIT call every time
+    slots = torch.randperm(S, device="cuda", generator=g)[:n]
+    slots[5] = -1
+
+    def write(mode, src, pad, ring):
+        tm.bound_launch(mode)
+        try:
+            dst = torch.zeros(max(S, pad) + 1, H * D, device="cuda", dtype=torch.bfloat16)
+            table = torch.full((S + 1,), -1, dtype=torch.int64, device="cuda")
+            head = torch.tensor([3], dtype=torch.int64, device="cuda")
+            base = torch.zeros(1, dtype=torch.int64, device="cuda")
+            if ring:
+                tm.ring_advance(slots, head, base, pad)
+                assert tm.scatter_rows(dst, src, slots, pad, table=table, base=base)
+            else:
+                assert tm.scatter_rows(dst, src, torch.where(slots < 0, slots, slots % pad), pad)
+            return dst, table, head
+        finally:
+            tm.bound_launch("bound")
+
+    for rnd in range(3):  # the first round may compile and bind; the later ones launch bound
+        before = len(tm._BOUND)
+        for name, src in srcs.items():
+            for pad in (1, 16, 17, 64):
+                for ring in (False, True):
+                    got = write("bound", src, pad, ring)
+                    want = write("jit", src, pad, ring)
+                    for a, b in zip(got, want):
+                        assert torch.equal(a, b), (rnd, name, pad, ring)
+                    if not ring:
+                        idx = torch.where(slots < 0, pad, slots % pad)
+                        ref = torch.zeros_like(got[0]).index_copy_(0, idx, src[:n])
+                        keep = torch.ones(ref.shape[0], dtype=torch.bool, device="cuda")
+                        keep[pad] = False  # the pad row: whichever padded token or real one landed last
+                        assert torch.equal(got[0][keep], ref[keep]), (rnd, name, pad)
+                    else:
+                        real = slots >= 0
+                        rows = (3 + torch.cumsum(real.long(), 0) - 1) % pad
+                        assert torch.equal(got[1][slots[real]], rows[real]), (rnd, name, pad)
+                        assert int(got[2]) == (3 + int(real.sum())) % pad
+        if rnd:
+            assert len(tm._BOUND) == before, rnd  # nothing new to bind: every launch came from the cache
+    assert any(k[0] is tm._scatter_rows for k in tm._BOUND) and any(k[0] is tm._ring_advance for k in tm._BOUND)
+
+    # captured in a CUDA graph (as vLLM captures a forward's taps), replayed onto new inputs
+    src = srcs["aligned"].clone()
+    idx = slots.clone()
+    dst = torch.zeros(S + 1, H * D, device="cuda", dtype=torch.bfloat16)
+    tm.scatter_rows(dst, src, idx, S)  # bound before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tm.scatter_rows(dst, src, idx, S)
+    src.copy_(torch.randn(src.shape, device="cuda", generator=g).bfloat16())
+    idx.copy_(torch.randperm(S, device="cuda", generator=g)[:n])
+    dst.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:S], torch.zeros_like(dst).index_copy_(0, idx, src[:n])[:S])
+
+
 @pytest.mark.parametrize("block_size, n, pad", [(16, 40, 2), (16, 1, 0), (64, 300, 7)])
 def test_fused_kv_write_equals_vllms_cache_write(block_size, n, pad):
     """``ATTN_OTEL_KV_WRITE=fused``: the launch that keeps the queries also writes keys and values into
