@@ -516,22 +516,29 @@ def _launch_bound(fn, n: int, args: tuple, consts: tuple) -> None:
     parameters (its last ones, in order).  The first call of each :func:`_key` goes through Triton's JIT, which
     compiles or finds the kernel; the calls after it launch that kernel through its own launcher on the current
     stream (graph-safe like the JIT call), without Triton's per-call binding and cache lookup.  With a launch
-    hook set (a profiler's), an unaligned tensor or an argument of another kind: the JIT call every time."""
+    hook set (a profiler's: :func:`_hooks_idle`), an unaligned tensor or an argument of another kind: the JIT
+    call every time."""
     key = None
-    if _LAUNCH[0] == "bound" and triton.knobs.runtime.launch_enter_hook is None:
+    if _LAUNCH[0] == "bound" and _hooks_idle():
         drv = _driver()
         device = drv.get_current_device()
         key = _key(fn, consts, device, args)
         k = _BOUND.get(key) if key is not None else None
-        if k is not None:
-            k.run(n, 1, 1, drv.get_current_stream(device), k.function, k.packed_metadata, None, None,
-                  triton.knobs.runtime.launch_exit_hook, *args, *consts)
+        if k is not None:  # (no hooks: no launch metadata for them either)
+            k.run(n, 1, 1, drv.get_current_stream(device), k.function, k.packed_metadata, None, None, None,
+                  *args, *consts)
             return
     kernel = fn[(n,)](*args, **dict(zip(_constexpr_names(fn), consts)), num_warps=4)
     if key is not None and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata")):
         if len(_BOUND) >= _BOUND_MAX:
             _BOUND.clear()
         _BOUND[key] = kernel
+
+
+def _hooks_idle() -> bool:
+    """No launch hook is set (a profiler's, Proton's): Triton's hooks are None, or (Triton 3.6) empty chains."""
+    rt = triton.knobs.runtime
+    return all(h is None or not getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
 @functools.cache

@@ -64,3 +64,25 @@ def test_a_bad_launch_mode_is_refused():
     tm.bound_launch("jit")
     tm.bound_launch("bound")
     assert tm._LAUNCH == ["bound"]
+
+
+def test_launch_hooks_send_every_launch_through_tritons_jit():
+    """A profiler's launch hook must see every launch: the bound launch stands aside while one is set (Triton
+    3.6 keeps its hooks as chains that are empty when none is set; older ones as None)."""
+    rt = tm.triton.knobs.runtime
+    assert tm._hooks_idle()  # nothing set in this process
+    hook = lambda *a: None  # noqa: E731
+    chain = rt.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert not tm._hooks_idle()
+        finally:
+            chain.remove(hook)
+    else:
+        rt.launch_enter_hook = hook
+        try:
+            assert not tm._hooks_idle()
+        finally:
+            rt.launch_enter_hook = chain
+    assert tm._hooks_idle()
