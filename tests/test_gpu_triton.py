@@ -121,8 +121,11 @@ def test_bound_launches_write_what_the_jit_call_writes():
     srcs = {"aligned": big[:, :H * D], "one element in": big[:, 1:H * D + 1]}
     assert srcs["aligned"].data_ptr() % 16 == 0 and srcs["one element in"].data_ptr() % 16 != 0
     assert tm._key("k", (), 0, (srcs["one element in"],)) is None  # unaligned: Triton's JIT call every time
-    slots = torch.randperm(S, device="cuda", generator=g)[:n]
-    slots[5] = -1
+    # distinct real slots above every pad row used below: no two tokens write one row (a race either way)
+    slots = torch.randperm(S - 70, device="cuda", generator=g)[:n] + 70
+    slots[5] = -1  # a padded token: the pad row
+    real = slots >= 0
+    t = torch.arange(n, device="cuda")
 
     def write(mode, src, pad, ring):
         tm.bound_launch(mode)
@@ -131,35 +134,32 @@ def test_bound_launches_write_what_the_jit_call_writes():
             table = torch.full((S + 1,), -1, dtype=torch.int64, device="cuda")
             head = torch.tensor([3], dtype=torch.int64, device="cuda")
             base = torch.zeros(1, dtype=torch.int64, device="cuda")
-            if ring:
+            if ring:  # the ring of ``pad`` rows: token t to row (base + t) % pad
                 tm.ring_advance(slots, head, base, pad)
                 assert tm.scatter_rows(dst, src, slots, pad, table=table, base=base)
-            else:
-                assert tm.scatter_rows(dst, src, torch.where(slots < 0, slots, slots % pad), pad)
+            else:  # by slot, the padded token to row ``pad``
+                assert tm.scatter_rows(dst, src, slots, pad)
             return dst, table, head
         finally:
             tm.bound_launch("bound")
 
+    cases = [(False, pad) for pad in (1, 16, 17, 64)] + [(True, pad) for pad in (32, 48, 65)]  # ring >= n rows
     for rnd in range(3):  # the first round may compile and bind; the later ones launch bound
         before = len(tm._BOUND)
         for name, src in srcs.items():
-            for pad in (1, 16, 17, 64):
-                for ring in (False, True):
-                    got = write("bound", src, pad, ring)
-                    want = write("jit", src, pad, ring)
-                    for a, b in zip(got, want):
-                        assert torch.equal(a, b), (rnd, name, pad, ring)
-                    if not ring:
-                        idx = torch.where(slots < 0, pad, slots % pad)
-                        ref = torch.zeros_like(got[0]).index_copy_(0, idx, src[:n])
-                        keep = torch.ones(ref.shape[0], dtype=torch.bool, device="cuda")
-                        keep[pad] = False  # the pad row: whichever padded token or real one landed last
-                        assert torch.equal(got[0][keep], ref[keep]), (rnd, name, pad)
-                    else:
-                        real = slots >= 0
-                        rows = (3 + torch.cumsum(real.long(), 0) - 1) % pad
-                        assert torch.equal(got[1][slots[real]], rows[real]), (rnd, name, pad)
-                        assert int(got[2]) == (3 + int(real.sum())) % pad
+            for ring, pad in cases:
+                got = write("bound", src, pad, ring)
+                want = write("jit", src, pad, ring)
+                for a, b in zip(got, want):
+                    assert torch.equal(a, b), (rnd, name, pad, ring)
+                dst, table, head = got
+                rows = (3 + t) % pad if ring else slots
+                ref = torch.zeros_like(dst)
+                ref[rows[real]] = src[:n][real]
+                ref[pad] = src[5]
+                assert torch.equal(dst, ref), (rnd, name, pad, ring)
+                if ring:
+                    assert torch.equal(table[slots[real]], rows[real]) and int(head) == (3 + int(real.sum())) % pad
         if rnd:
             assert len(tm._BOUND) == before, rnd  # nothing new to bind: every launch came from the cache
     assert any(k[0] is tm._scatter_rows for k in tm._BOUND) and any(k[0] is tm._ring_advance for k in tm._BOUND)
