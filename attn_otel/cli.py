@@ -300,7 +300,7 @@ def _token_labels(token_ids: np.ndarray, tokenizer: str | None) -> list[str]:
             _info(f"cannot import transformers ({type(e).__name__}); labelling tokens by id")
         else:
             try:
-                tok = AutoTokenizer.from_pretrained(tokenizer)
+                tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)  # never the network
             except Exception as e:  # noqa: BLE001
                 raise CliError(f"cannot load a tokenizer from {tokenizer}: {e}") from None
             return [_label_text(tok.decode([int(t)])) for t in token_ids]

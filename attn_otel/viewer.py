@@ -130,13 +130,15 @@ def compress(codes: np.ndarray, level: int = 1) -> bytes:
 # --- the page's data ----------------------------------------------------------------------------------
 
 def load_tokenizer(path: str | os.PathLike):
-    """A Hugging Face tokenizer from a folder (or hub id already cached); ValueError naming why not."""
+    """A Hugging Face tokenizer from a folder (or hub id already cached); ValueError naming why not.  Never
+    from the network: a served viewer labels its own model's tokens, whose files vLLM already has, and a hub
+    lookup from a machine that cannot reach the hub retries for most of a minute (``local_files_only``)."""
     try:
         from transformers import AutoTokenizer
     except Exception as e:  # noqa: BLE001 - a broken transformers install: say so, once, as one line
         raise ValueError(f"cannot import transformers to decode tokens ({type(e).__name__}: {e})") from None
     try:
-        return AutoTokenizer.from_pretrained(os.fspath(path))
+        return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"cannot load a tokenizer from {os.fspath(path)}: {e}") from None
 

@@ -281,3 +281,26 @@ def test_view_with_a_tokenizer_but_no_token_ids_shows_positions(capsys, store, t
     code, _, err = run(capsys, "view", record.trace_id, "--store", store, "--tokenizer", tmp_path / "none", "-o", out)
     assert code == 0 and "no token ids stored" in err
     assert _data(out.read_text())["label_kind"] == "positions"
+
+
+@pytest.mark.parametrize("load", ["viewer", "show"])
+def test_a_tokenizer_is_never_fetched_from_the_network(monkeypatch, load):
+    """The served viewer (and ``attn-otel show --tokenizer``) label tokens with a tokenizer whose files are on
+    this machine; a name that is not a folder or a cached hub id is an error at once, not a hub lookup that
+    retries for most of a minute on a machine that cannot reach the hub (vLLM's server with a model name the
+    viewer cannot resolve: 47 s of one CI run went so)."""
+    from huggingface_hub import file_download
+
+    tried = []
+
+    def refuse(*args, **kwargs):  # the hub's metadata request for a file, which the retries are made of
+        tried.append(args[:1])
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(file_download, "get_hf_file_metadata", refuse)
+    with pytest.raises((ValueError, cli.CliError), match="cannot load a tokenizer from no-such-org/no-such-model"):
+        if load == "viewer":
+            viewer.load_tokenizer("no-such-org/no-such-model")
+        else:
+            cli._token_labels(np.arange(3), "no-such-org/no-such-model")
+    assert not tried
