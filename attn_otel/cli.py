@@ -295,14 +295,16 @@ def _label_text(text: str) -> str:
 def _token_labels(token_ids: np.ndarray, tokenizer: str | None) -> list[str]:
     if tokenizer is not None:
         try:
-            from transformers import AutoTokenizer
+            import transformers  # noqa: F401
         except Exception as e:  # noqa: BLE001 - a broken transformers install must not stop the plot
             _info(f"cannot import transformers ({type(e).__name__}); labelling tokens by id")
         else:
+            from . import viewer
+
             try:
-                tok = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)  # never the network
-            except Exception as e:  # noqa: BLE001
-                raise CliError(f"cannot load a tokenizer from {tokenizer}: {e}") from None
+                tok = viewer.load_tokenizer(tokenizer)  # this machine's files only, as the viewer's
+            except ValueError as e:
+                raise CliError(str(e)) from None
             return [_label_text(tok.decode([int(t)])) for t in token_ids]
     return [str(int(t)) for t in token_ids]
 

@@ -913,11 +913,10 @@ def _install(runner, kv_cache_config) -> None:
 
     from .capture import CaptureEngine
     from .tracking import RequestTracker, model_name
+    from . import triton_metrics
     from .config import Config
 
     config = Config.from_env()
-    from . import triton_metrics
-
     triton_metrics.bound_launch(config.launch)
     groups_by_layer = {}
     block_sizes = []

@@ -60,6 +60,8 @@ def old_module(old: str, tmp: Path):
 
 def bound_way(tm, jit_args, jit_kw, n):
     """The compiled kernel's own launcher with its arguments bound once, or (None, why not)."""
+    import torch
+
     compiled = tm._scatter_rows.warmup(*jit_args, grid=(n,), **jit_kw)
     runner = compiled[(n, 1, 1)]  # this launcher reads all three grid sizes
     params = list(tm._scatter_rows.params)
@@ -71,8 +73,6 @@ def bound_way(tm, jit_args, jit_kw, n):
     for label, bound_args in tries.items():
         try:
             runner(*bound_args)
-            import torch
-
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             errors.append(f"{label}: {type(e).__name__}: {e}"[:200])
