@@ -13,6 +13,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 # the same engine took 49 s instead of 124 s.  Same compiler, same graph; only where the result is cached.
 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
+# vLLM's own switch for its CPU CI (``VLLM_CPU_CI_ENV``, read by ``vllm/platforms/cpu.py`` and ``cpu_worker.py``):
+# the model is still traced by dynamo (so a graph break or a guard that attn-otel caused would still show), with
+# the same custom ops off as in the compiled build, but the traced graph runs as is instead of through inductor,
+# and the start-up warm-up is skipped.  An engine start took 22-30 s with inductor and 4 s with it here (the
+# trace, ~10 s, then comes with the first request); the suite starts about thirty engines.  Inductor's own
+# compile of a capture engine is still run by tests/test_demo.py (the README's first command, which drops every
+# VLLM_ variable) and by every GPU test.
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
+
 # The variables that steer attn-otel and the test harness.  A test module that sets one at import (for its
 # own engine) would change every engine test collected after it: stop 28's CI served every CPU variant
 # model with an fp8 KV cache because tests/test_gpu_variants.py, deselected but still imported, had set
@@ -167,7 +176,9 @@ def otel_server(smollm2_path, tmp_path_factory, otlp_receiver):
                 "VLLM_CPU_KVCACHE_SPACE": "1", "OTEL_BSP_SCHEDULE_DELAY": "200",
                 "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.http_endpoint,
                 "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # the worker in the engine-core process, the layout of vLLM on one GPU (the CPU build's default, a worker
+    # process of its own, saves nothing but a third vLLM import; tests/test_otel_server.py's vllm-flag server keeps it)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with vllm_server.running(smollm2_path, env, tmp_path_factory.mktemp("otel-server-log") / "server.log") as port:
         yield port, store
 
@@ -207,8 +218,9 @@ def scraped_server(smollm2_path, tmp_path_factory):
     store = tmp_path_factory.mktemp("prom-store")
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_MAPS_SAMPLE": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "ATTN_OTEL_STATS_DIR", "ATTN_OTEL_LAYERS", "PROMETHEUS_MULTIPROC_DIR"):
+    for name in ("ATTN_OTEL_STATS_DIR", "ATTN_OTEL_LAYERS", "PROMETHEUS_MULTIPROC_DIR"):
         env.pop(name, None)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in the engine-core process, as in otel_server
     log_path = tmp_path_factory.mktemp("prom-server-log") / "server.log"
     stop = None
 
