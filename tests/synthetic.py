@@ -109,6 +109,19 @@ class LocalBackend:
         (self.root / key).unlink()
 
 
+def part_of(record: CaptureRecord, part) -> CaptureRecord:
+    """The record a tensor/pipeline-parallel rank holding ``part`` (a :class:`attn_otel.store.CapturePart`) would hand
+    to its writer: its heads of its stage's layers; the token ids on the last stage's first rank only."""
+    import dataclasses
+
+    li = [list(record.layers).index(x) for x in part.layers]
+    h0, h1 = part.heads
+    return dataclasses.replace(
+        record, part=part, maps=None if record.maps is None else record.maps[li][:, h0:h1],
+        metrics={k: v[li][:, h0:h1] for k, v in record.metrics.items()},
+        token_ids=record.token_ids if part.index == part.count - part.tp else None)
+
+
 def big_record(trace_id: str, request_id: str, layers: int, heads: int, T: int) -> CaptureRecord:
     """A maps capture of random float16 weights (no metrics): big enough that writing it takes a while."""
     rng = np.random.default_rng(1)

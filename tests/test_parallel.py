@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from synthetic import make_record
+from synthetic import make_record, part_of
 
 import attn_otel
 from attn_otel.capture import CaptureEngine
@@ -47,31 +47,18 @@ def _parts(tp: int, pp: int) -> list[CapturePart]:
             for s in range(pp) for r in range(tp)]
 
 
-def _slice(record, part: CapturePart):
-    """The record a rank holding ``part`` would hand to its writer."""
-    import dataclasses
-
-    li = [LAYERS.index(x) for x in part.layers]
-    h0, h1 = part.heads
-    return dataclasses.replace(
-        record, part=part, maps=None if record.maps is None else record.maps[li][:, h0:h1],
-        metrics={k: v[li][:, h0:h1] for k, v in record.metrics.items()},
-        token_ids=record.token_ids if part.index == part.count - part.tp else None)
-
-
 WRITE_PART = textwrap.dedent("""
-    import json, sys, time, dataclasses
+    import json, sys
     sys.path.insert(0, {tests!r})
-    from synthetic import make_record
+    from synthetic import make_record, part_of
     from attn_otel.metrics import summarize
     from attn_otel.store import CapturePart, open_zarr_store, write_capture_part
-    from test_parallel import _slice
     record, _ = make_record({trace!r}, "req-1", layers={layers!r}, heads={heads}, T={T}, prompt_len={prompt},
                             maps={maps}, seed=7, created=1.0e9)
-    rec = _slice(record, CapturePart(**json.loads({part!r})))
+    rec = part_of(record, CapturePart(**json.loads({part!r})))
     store = open_zarr_store({url!r})
-    while time.time() < {start}:  # every part starts writing at the same moment
-        time.sleep(0.005)
+    print("ready", flush=True)
+    sys.stdin.readline()  # every part starts writing at the same moment: when the test says go
     n, marker = write_capture_part(store, rec, rows={rows}, summary=summarize(rec.metrics, rec.prompt_len))
     print(json.dumps({{"bytes": n, "completed": marker is not None}}))
 """)
@@ -80,13 +67,22 @@ WRITE_PART = textwrap.dedent("""
 def _write_concurrently(url: str, env: dict, trace: str, parts: list[CapturePart], *, maps: bool, rows: bool):
     from pathlib import Path
 
-    start = time.time() + 4.0  # after every interpreter has imported zarr
     procs = [subprocess.Popen(
         [sys.executable, "-c", WRITE_PART.format(
             tests=str(Path(__file__).parent), trace=trace, layers=LAYERS, heads=HEADS, T=T, prompt=PROMPT, maps=maps,
-            part=json.dumps(p.to_json()), url=url, start=start, rows=rows)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**__import__("os").environ, **env})
+            part=json.dumps(p.to_json()), url=url, rows=rows)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**__import__("os").environ, **env})
         for p in parts]
+    for p in procs:  # each has its record and its store open
+        line = p.stdout.readline()
+        if line != "ready\n":  # it died first: its own error
+            p.kill()
+            _, stderr = p.communicate(timeout=60)
+            pytest.fail(f"a part's writer did not start: {line!r}\n{stderr[-3000:]}")
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=240)
@@ -152,8 +148,8 @@ def test_a_capture_missing_a_part_stays_invisible_and_is_collected(local_backend
     parts = _parts(2, 2)
     store = open_zarr_store(local_backend.url)
     for part in parts[:3]:  # the fourth rank dropped its part (queue full, or it died)
-        _, marker = write_capture_part(store, _slice(whole, part), summary=summarize(
-            _slice(whole, part).metrics, PROMPT))
+        _, marker = write_capture_part(store, part_of(whole, part), summary=summarize(
+            part_of(whole, part).metrics, PROMPT))
         assert marker is None
     with pytest.raises(attn_otel.TraceNotFound):
         attn_otel.open_trace(trace, store=local_backend.url)
@@ -165,7 +161,7 @@ def test_a_capture_missing_a_part_stays_invisible_and_is_collected(local_backend
 
 def test_a_part_that_does_not_fit_its_capture_is_refused(local_backend):
     whole, _ = make_record(new_trace_id(), "req-1", layers=LAYERS, heads=HEADS, T=20, prompt_len=10)
-    bad = _slice(whole, CapturePart(index=0, count=2, heads=(0, 4), layers=(0, 1), tp=2))
+    bad = part_of(whole, CapturePart(index=0, count=2, heads=(0, 4), layers=(0, 1), tp=2))
     bad.part = CapturePart(index=0, count=2, heads=(0, 4), layers=(0, 9), tp=2)  # layer 9 is not captured
     with pytest.raises(StoreError, match="layer"):
         write_capture_part(open_zarr_store(local_backend.url), bad)

@@ -62,6 +62,12 @@ class StoreContract:
         (cap,) = open_trace(record.trace_id, backend.url)
         np.testing.assert_allclose(cap.maps(layers=[9, 2], heads=[1]), expected[[2, 0]][:, [1]], atol=FP16_ATOL,
                                    rtol=0)
+        # runs of consecutive layers and heads are read at once: runs, breaks, a repeat and a reversal
+        for layers, heads in (([2, 5], [0, 1, 2]), ([5, 9, 2], [2, 0, 1]), ([9, 9], [1, 2, 2, 1, 0]), (None, None)):
+            li = [(2, 5, 9).index(x) for x in layers] if layers else [0, 1, 2]
+            hi = heads if heads else [0, 1, 2]
+            np.testing.assert_allclose(cap.maps(layers=layers, heads=heads), expected[li][:, hi], atol=FP16_ATOL,
+                                       rtol=0)
 
     def test_lazy_attn_slices_a_band_of_rows(self, backend):
         record, expected = make_record(T=16)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
-from synthetic import make_record
-from test_parallel import HEADS, LAYERS, _parts, _slice
+from synthetic import make_record, part_of
+from test_parallel import HEADS, LAYERS, _parts
 from test_store import FORMAT2_MAPS_TRACE, FORMAT2_METRICS_TRACE, FORMAT2_STORE
 
 import attn_otel
@@ -117,7 +117,7 @@ def test_a_capture_written_in_parts_opens_as_the_whole(tmp_path, layout):
     whole, _ = make_record(layers=LAYERS, heads=HEADS, T=20, prompt_len=15, seed=7, created=1.0e9)
     store = open_zarr_store(tmp_path)
     markers = [write_capture_part(store, part_record, summary=summarize(part_record.metrics, 15))[1]
-               for part_record in (_slice(whole, p) for p in _parts(*layout))]
+               for part_record in (part_of(whole, p) for p in _parts(*layout))]
     assert sum(m is not None for m in markers) == 1
     (cap,) = attn_otel.open_trace(whole.trace_id, store=tmp_path)
     ds = _open(tmp_path, whole)
