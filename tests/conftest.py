@@ -179,7 +179,9 @@ def otel_server(smollm2_path, tmp_path_factory, otlp_receiver):
     # the worker in the engine-core process, the layout of vLLM on one GPU (the CPU build's default, a worker
     # process of its own, saves nothing but a third vLLM import; tests/test_otel_server.py's vllm-flag server keeps it)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    with vllm_server.running(smollm2_path, env, tmp_path_factory.mktemp("otel-server-log") / "server.log") as port:
+    # --enforce-eager: no dynamo trace (~10 s); spans and xargs do not depend on how the other layers run
+    with vllm_server.running(smollm2_path, env, tmp_path_factory.mktemp("otel-server-log") / "server.log",
+                             ["--enforce-eager"]) as port:
         yield port, store
 
 
@@ -231,7 +233,7 @@ def scraped_server(smollm2_path, tmp_path_factory):
         with urllib.request.urlopen(req, timeout=120) as r:
             assert r.status == 200
 
-    with vllm_server.running(smollm2_path, env, log_path) as port:
+    with vllm_server.running(smollm2_path, env, log_path, ["--enforce-eager"]) as port:  # as otel_server
         try:
             target = f"127.0.0.1:{port}"
             url, stop = prom.start([("attn-otel", target, "/attn-otel/metrics"), ("vllm", target, "/metrics")],

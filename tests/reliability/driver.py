@@ -41,7 +41,10 @@ def main() -> None:
     t0 = time.monotonic()
     llm = LLM(model=model, max_model_len=config.get("max_model_len", 1024),
               max_num_batched_tokens=config.get("max_num_batched_tokens", 1024),
-              max_num_seqs=config.get("max_num_seqs", 256), enable_prefix_caching=False, seed=0)
+              max_num_seqs=config.get("max_num_seqs", 256), enable_prefix_caching=False, seed=0,
+              # no dynamo trace (~10 s of the first request): these tests are about the store and the hand-off,
+              # whatever runs the model's other layers
+              enforce_eager=config.get("enforce_eager", True))
     (cap,) = vllm_adapter.engines()
 
     def writer_pids() -> list[int]:
