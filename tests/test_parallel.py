@@ -76,8 +76,9 @@ def _write_concurrently(url: str, env: dict, trace: str, parts: list[CapturePart
         for p in parts]
     for p in procs:  # each has its record and its store open
         line = p.stdout.readline()
-        if line != "ready\n":  # it died first: its own error
-            p.kill()
+        if line != "ready\n":  # it died first: its own error, and no writer left waiting for a go
+            for q in procs:
+                q.kill()
             _, stderr = p.communicate(timeout=60)
             pytest.fail(f"a part's writer did not start: {line!r}\n{stderr[-3000:]}")
     for p in procs:
@@ -148,8 +149,8 @@ def test_a_capture_missing_a_part_stays_invisible_and_is_collected(local_backend
     parts = _parts(2, 2)
     store = open_zarr_store(local_backend.url)
     for part in parts[:3]:  # the fourth rank dropped its part (queue full, or it died)
-        _, marker = write_capture_part(store, part_of(whole, part), summary=summarize(
-            part_of(whole, part).metrics, PROMPT))
+        rec = part_of(whole, part)
+        _, marker = write_capture_part(store, rec, summary=summarize(rec.metrics, PROMPT))
         assert marker is None
     with pytest.raises(attn_otel.TraceNotFound):
         attn_otel.open_trace(trace, store=local_backend.url)
