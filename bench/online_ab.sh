@@ -26,7 +26,8 @@
 #   here:    .venv/bin/python -m pip download py-spy==0.4.2 --no-deps --only-binary :all: -d .gpu/scripts
 #   call:    bash bench/online_ab.sh profile off && bash bench/online_ab.sh profile default   (after install; carry
 #            .gpu/scripts; ~300 s for the two on a warm machine, REPEATS runs each; "profile
-#            default@ATTN_OTEL_LAUNCH=jit" profiles the default with one variable, into $OUT/pp/NAME/)
+#            default@ATTN_OTEL_LAUNCH=jit" profiles the default with one variable, into $OUT/pp/NAME/; "profile
+#            old" the old checkout's default, into $OUT/pp/old/)
 #   here:    python3 bench/host_profile.py DIR/pyspy-online-default.txt --against DIR/pyspy-online-off.txt
 #
 # Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
@@ -59,10 +60,12 @@ off)  # capture off, the ratios' reference (a fresh machine compiles for ~220 s 
 profile)  # one server (off, or this checkout's default) with py-spy on its engine core: $OUT/pp/pyspy-online-PHASE.txt
   # (default@ATTN_OTEL_X=V: the default with one variable; its files go to $OUT/pp/NAME/, NAME the spec in
   # letters, digits and _, so that two of them in one call keep theirs)
+  # ("old": the default of the old checkout installed by "install", its files under $OUT/pp/old/)
   spec=${2:-}; ph=${spec%%@*}; var=""; [ "$spec" != "$ph" ] && var=${spec#*@}
-  case "$ph" in off|default) ;; *) echo "profile: give the phase, off or default (not '$ph')"; exit 2 ;; esac
+  case "$ph" in off|default|old) ;; *) echo "profile: give the phase, off, default or old (not '$ph')"; exit 2 ;; esac
   [ -n "$var" ] && [ "$ph" = off ] && { echo "profile: a variable is for the default, not off"; exit 2; }
   name=$ph${var:+-${var//[^A-Za-z0-9]/_}}
+  pp=""; [ "$ph" = old ] && { pp="/tmp/old:"; ph=default; }
   spydir=${PYSPY_DIR:-/tmp/pyspy}  # where the wheel is unpacked, once a machine
   if [ ! -x "$spydir/spy" ]; then
     whl=$(ls .gpu/scripts/py_spy-*.whl 2>/dev/null | head -1)
@@ -71,9 +74,9 @@ profile)  # one server (off, or this checkout's default) with py-spy on its engi
     spy=$(find "$spydir" -name py-spy -type f | head -1); chmod +x "$spy"; ln -sf "$spy" "$spydir/spy"
   fi
   source /tmp/gpu-env.sh
-  keep=$OUT/pp; [ -n "$var" ] && keep=$OUT/pp/$name
+  keep=$OUT/pp; [ -n "$var" ] || [ -n "$pp" ] && keep=$OUT/pp/$name
   mkdir -p "/tmp/pp-$name" "$keep"
-  BENCH_PYSPY=$spydir/spy timeout $((300 + 20 * reps)) python3 bench/overhead.py --online "$ph" ${var:+--env "$var"} \
+  PYTHONPATH=$pp${PYTHONPATH:-} BENCH_PYSPY=$spydir/spy timeout $((300 + 20 * reps)) python3 bench/overhead.py --online "$ph" ${var:+--env "$var"} \
     --capacity "$cap" --repeats "$reps" --out "/tmp/pp-$name" > "/tmp/pp-$name.log" 2>&1
   echo "$name rc $?"; grep -E "^\[online|Error|py-spy" "/tmp/pp-$name.log" | tail -6
   cp "/tmp/pp-$name"/online-*.json "/tmp/pp-$name"/pyspy-* "$keep/" 2>/dev/null
