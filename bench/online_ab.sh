@@ -27,7 +27,7 @@
 #   call:    bash bench/online_ab.sh profile off && bash bench/online_ab.sh profile default   (after install; carry
 #            .gpu/scripts; ~300 s for the two on a warm machine, REPEATS runs each; "profile
 #            default@ATTN_OTEL_LAUNCH=jit" profiles the default with one variable, into $OUT/pp/NAME/; "profile
-#            old" the old checkout's default, into $OUT/pp/old/)
+#            old" the old checkout's default, into $OUT/pp/old/; PROFILE_TIMEOUT_S for a first server that compiles)
 #   here:    python3 bench/host_profile.py DIR/pyspy-online-default.txt --against DIR/pyspy-online-off.txt
 #
 # Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
@@ -76,7 +76,7 @@ profile)  # one server (off, or this checkout's default) with py-spy on its engi
   source /tmp/gpu-env.sh
   keep=$OUT/pp; [ -n "$var" ] || [ -n "$pp" ] && keep=$OUT/pp/$name
   mkdir -p "/tmp/pp-$name" "$keep"
-  PYTHONPATH=$pp${PYTHONPATH:-} BENCH_PYSPY=$spydir/spy timeout $((300 + 20 * reps)) python3 bench/overhead.py --online "$ph" ${var:+--env "$var"} \
+  PYTHONPATH=$pp${PYTHONPATH:-} BENCH_PYSPY=$spydir/spy timeout ${PROFILE_TIMEOUT_S:-$((300 + 20 * reps))} python3 bench/overhead.py --online "$ph" ${var:+--env "$var"} \
     --capacity "$cap" --repeats "$reps" --out "/tmp/pp-$name" > "/tmp/pp-$name.log" 2>&1
   echo "$name rc $?"; grep -E "^\[online|Error|py-spy" "/tmp/pp-$name.log" | tail -6
   cp "/tmp/pp-$name"/online-*.json "/tmp/pp-$name"/pyspy-* "$keep/" 2>/dev/null
