@@ -148,3 +148,59 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
         rows.check("GPU streamed layers, per-row metrics")
     if summaries.err:
         summaries.check("GPU streamed layers, device summaries")
+
+
+def test_gpu_map_tap_maps_match_hf_eager(stream_engine, gpu_model):  # noqa: F811
+    """The map tap on the device: the streamed map layer keeps only the planned requests' queries, written
+    inside the CUDA graphs by slot, their slots pointed a block at a time (attn_otel.tap.MapTap).  Twelve
+    requests of many lengths at once, two of every three planned for maps, in the module's 96-block cache, where
+    they need more blocks than it has (the preemptions, whose planned requests' slots are unpointed and pointed
+    again in new blocks when they resume, are counted in the output): each maps capture of layer 0 is HF eager
+    fp32's attention within the calibrated bound, and no planned request lost a query."""
+    from preemptions import count_preemptions
+    from reference import Calibrated, hf_references
+    from vllm import SamplingParams
+
+    import attn_otel
+    from attn_otel import vllm_adapter
+
+    llm, store, _ = stream_engine
+    (engine,) = vllm_adapter.engines()
+    lost = engine.maptap.lost
+    preempted = count_preemptions()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(10, 4000, 13 + 29 * i).tolist() for i in range(12)]  # none a whole number of blocks
+    traces = [new_trace_id() for _ in prompts]
+    modes = ["metrics" if i % 3 == 1 else "maps" for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=21 + 3 * i, temperature=0.0, ignore_eos=True,
+                             extra_args={"attn_otel": m, "traceparent": f"00-{t}-{new_span_id()}-01"})
+              for i, (t, m) in enumerate(zip(traces, modes))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.step()
+    assert engine.flush(120)
+    assert engine.maptap.lost == lost
+    cal = Calibrated()
+    maps = 0
+    for out, t, mode in zip(outs, traces, modes):
+        (cap,) = attn_otel.open_trace(t, store)
+        ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        T = len(ids) - 1
+        assert cap.num_tokens == T
+        if mode != "maps":
+            assert not cap.has_maps
+            continue
+        assert cap.has_maps and cap.layers == [0], (cap.layers, cap.has_maps)
+        got = cap.maps()
+        assert got.shape == (1, HEADS, T, T)
+        assert np.abs(got.sum(-1) - 1).max() <= 1e-3  # every stored row sums to 1
+        assert np.abs(np.triu(got, 1)).max() == 0.0  # causal
+        fp32, bf16 = hf_references(gpu_model, ids[:T], device="cuda")
+        cal.add_maps("tv", got, fp32[:1], bf16[:1])
+        maps += 1
+    assert maps == 8
+    results = {"preemptions": len(preempted), "tv": cal.report(), "map_tap_lost": engine.maptap.lost - lost}
+    print("GPU map tap:", json.dumps(results, indent=1))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_map_tap.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    cal.check("GPU map tap, layer 0 maps")
