@@ -47,19 +47,20 @@ def test_the_report_median_of_an_even_count_is_the_mean_of_the_middle_two():
 
 
 def test_online_ab_profile_refuses_a_bad_phase_or_a_missing_py_spy(tmp_path):
-    """bench/online_ab.sh profile: a phase other than off or default (with or without a variable for it; off
-    takes none), or no py-spy wheel to unpack, is a clear message and a failing exit before anything is staged
+    """bench/online_ab.sh profile: a phase other than off, default or old (the old checkout's default; with or
+    without a variable for it; off takes none), or no py-spy wheel to unpack, is a clear message and a failing exit before anything is staged
     or served."""
     import os
     import subprocess
 
     script = str(Path(__file__).resolve().parent.parent / "bench" / "online_ab.sh")
-    for args, says in ((["profile"], "give the phase, off or default"),
+    for args, says in ((["profile"], "give the phase, off, default or old"),
                        (["profile", "all"], "not 'all'"),
                        (["profile", "all@ATTN_OTEL_LAUNCH=jit"], "not 'all'"),
                        (["profile", "off@ATTN_OTEL_LAUNCH=jit"], "a variable is for the default"),
                        (["profile", "default@ATTN_OTEL_LAUNCH=jit"], "no py-spy wheel in .gpu/scripts"),
-                       (["profile", "off"], "no py-spy wheel in .gpu/scripts")):
+                       (["profile", "off"], "no py-spy wheel in .gpu/scripts"),
+                       (["profile", "old"], "no py-spy wheel in .gpu/scripts")):
         r = subprocess.run(["bash", script, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYSPY_DIR": str(tmp_path / "pyspy")})
         assert r.returncode != 0 and says in r.stdout, (args, r.stdout, r.stderr)
