@@ -46,6 +46,18 @@ def pytest_collection_finish(session):
                                 "set them in a fixture or pass them to the subprocess instead")
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """A test of attn-otel's device-side structures on the CPU, and with ``-m gpu`` on a CUDA device too
+    (tests/test_stream.py, tests/test_maptap.py)."""
+    if request.param == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail("the gpu marker needs a CUDA device")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from attn_otel.smollm2 import ensure_smollm2

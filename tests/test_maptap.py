@@ -23,13 +23,6 @@ H, HKV, D, BS, NUM_BLOCKS = 2, 1, 8, 4, 64
 LAYER = LayerSpec(index=3, name="l3", num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D ** -0.5)
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.fail("the gpu marker needs a CUDA device")
-    return request.param
-
-
 class Toy:
     def __init__(self, device: str, rows: int = 256, seed: int = 0):
         self.maptap = MapTap([LAYER], NUM_BLOCKS * BS, rows, torch.float32, device, BS, 0)

@@ -34,13 +34,6 @@ class Tracked:
         self.written = 0
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.fail("the gpu marker needs a CUDA device")
-    return request.param
-
-
 class Toy:
     """Random Q/K per request and layer, a paged K cache per layer (a ``[blocks, BS, Hkv, D]`` view of
     FLASH_ATTN's ``(blocks, Hkv, BS, K|V)`` tensor, as vllm_adapter._key_cache_view takes it), and a stream."""
