@@ -295,11 +295,12 @@ class MapTap:
             if end <= r.pointed:  # a position of a block already pointed (decode steps inside a block)
                 continue
             lo = max(start, r.pointed)
-            hi = -(-end // bs) * bs  # to the end of the block the last token is in
-            if not self._take_rows(r, lo, hi) and not self._take_rows(r, lo, end):
+            for hi in (-(-end // bs) * bs, end):  # to the end of the last token's block, else the step's own
+                if self._take_rows(r, lo, hi):
+                    break
+            else:
                 self._lose(req_id, r)
                 continue
-            hi = r.pointed
             slots = slots_of(tracked.block_ids[self.group], bs, lo, hi - lo)
             r.slots.append(slots)
             slots_l.append(slots)

@@ -31,7 +31,6 @@ class Toy:
         self.free = list(range(NUM_BLOCKS))[::-1]
         self.t: dict[str, SimpleNamespace] = {}
         self.q: dict[str, torch.Tensor] = {}  # the query each position last had written (what maps must hold)
-        self.uploads = 0
 
     def new(self, rid: str, maps: bool, T: int) -> None:
         self.t[rid] = SimpleNamespace(maps=maps, block_ids=[[]])
