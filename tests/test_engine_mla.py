@@ -13,6 +13,7 @@ import json
 
 import numpy as np
 import pytest
+from prefetch import Prefetch, selected
 from reference import Calibrated, check_reconstruction, hf_references
 from test_engine_variants import serve
 from variant_models import build_deepseek, build_deepseek_mtp
@@ -22,12 +23,36 @@ import attn_otel
 pytestmark = pytest.mark.engine
 
 
+# each test's serve: the model's builder and variant_serve's flags
+_SERVES = {"test_every_mla_layer": ("compiled", lambda p: build_deepseek(p, sharpen=2.0), ()),
+           "test_mla_maps_and_metrics": ("compiled", lambda p: build_deepseek(p, sharpen=2.0), ()),
+           "test_mla_under_enforce_eager": ("eager", lambda p: build_deepseek(p, sharpen=2.0),
+                                            ("--eager=all,-rotary_embedding",)),
+           "test_mtp_speculative_decoding": ("mtp", build_deepseek_mtp, ("--spec=mtp",))}
+
+
+def _key(item) -> str | None:
+    return next((key for prefix, (key, _, _) in _SERVES.items() if item.originalname.startswith(prefix)), None)
+
+
 @pytest.fixture(scope="module")
-def served_mla(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("deepseek")
-    model = build_deepseek(tmp / "model", sharpen=2.0)
-    store, got, stderr = serve(tmp, model)
-    return model, store, got, stderr
+def mla_runs(request, tmp_path_factory):
+    """The serves the selected tests need, started as the module begins, two at a time (tests/prefetch.py; one
+    after another the module took 63 s of CI).  ``mla_runs[key]``: ``(model, store, result, stderr)``."""
+    runs = Prefetch()
+    builds = {key: (build, flags) for key, build, flags in _SERVES.values()}
+    for key in selected(request, _key):
+        tmp = tmp_path_factory.mktemp(f"deepseek-{key}")
+        build, flags = builds[key]
+        model = build(tmp / "model")  # here, one after another: the builders seed torch's global generator
+        runs.start(key, lambda m, t, f: (m, *serve(t, m, *f)), model, tmp, flags)
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def served_mla(mla_runs):
+    return mla_runs["compiled"]
 
 
 def test_every_mla_layer_is_captured_from_the_latent_cache(served_mla):
@@ -72,14 +97,13 @@ def check_mla(model, store, got, what: str) -> dict:
     return {"maps": maps.report(), "reconstruction_p99_worst": max(r["p99"] for r in recon)}
 
 
-def test_mla_under_enforce_eager_is_captured_exactly(tmp_path):
+def test_mla_under_enforce_eager_is_captured_exactly(mla_runs):
     """``enforce_eager=True``: no torch.compile, so the tap runs in the same Python forward as the attention, and
     vLLM's CPU custom ops (RMSNorm, SiLU-and-mul, ...) run instead of their torch versions.  All but one: the CPU
     build's rotary-embedding kernel rotates a 3-D query view ([T, H, 64] of MLA's [T, H, 96] query) wrongly
     (test_the_cpu_builds_rotary_kernel_still_mis_rotates_3d_queries), so with it vLLM's DeepSeek is a different model
     from HF's; it is left on its torch version here."""
-    model = build_deepseek(tmp_path / "model", sharpen=2.0)
-    store, got, _ = serve(tmp_path, model, "--eager=all,-rotary_embedding")
+    model, store, got, _ = mla_runs["eager"]
     assert got["captured"] == len(got["requests"]) == 9 and got["dropped"] == {}
     report = check_mla(model, store, got, "MLA (eager)")
     print(f"\neager MLA ({got['attention_impl']}):", json.dumps(report))
@@ -111,14 +135,13 @@ def test_the_cpu_builds_rotary_kernel_still_mis_rotates_3d_queries():
     assert (three.float() - want.float()).abs().max() > 1.0
 
 
-def test_mtp_speculative_decoding_captures_the_target_exactly_and_never_the_mtp_layer(tmp_path):
+def test_mtp_speculative_decoding_captures_the_target_exactly_and_never_the_mtp_layer(mla_runs):
     """DeepSeek's multi-token prediction (``method="mtp"``): the model's own MTP layer (layer 2 of a 2-layer
     model, MLA attention and MoE: tests/variant_models.build_deepseek_mtp) drafts 2 tokens a step between the
     target's forwards, with its own attention layer and KV cache.  It is never captured and is named in
     ``layer_kinds``; each capture holds exactly the accepted sequence; maps match HF eager fp32 within the
     calibrated drift and reproduce each layer's output (maps x c_kv x W_UV)."""
-    model = build_deepseek_mtp(tmp_path / "model")
-    store, got, _ = serve(tmp_path, model, "--spec=mtp")
+    model, store, got, _ = mla_runs["mtp"]
     drafted = got["spec"]["vllm:spec_decode_num_draft_tokens"]
     accepted = got["spec"]["vllm:spec_decode_num_accepted_tokens"]
     assert 0 < accepted < drafted, got["spec"]

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefetch import Prefetch, selected
 from reference import Calibrated, check_reconstruction, hf_references
 
 import attn_otel
@@ -24,14 +25,52 @@ pytestmark = pytest.mark.engine
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def served_spec(tmp_path_factory, smollm2_path):
-    tmp = tmp_path_factory.mktemp("spec")
+def _spec_serve(smollm2_path: str, tmp: Path, *method: str, timeout: int = 600) -> tuple[Path, dict]:
     store, out = tmp / "store", tmp / "out.json"
-    proc = subprocess.run([sys.executable, str(HERE / "spec_serve.py"), smollm2_path, str(store), str(out)],
-                          cwd=str(tmp), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(HERE / "spec_serve.py"), smollm2_path, str(store), str(out), *method],
+                          cwd=str(tmp), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return store, json.loads(out.read_text())
+
+
+def _key(item) -> str | None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "served_spec" in item.fixturenames:
+        return "ngram"
+    if item.originalname.startswith("test_an_eagle_heads"):
+        return f"head:{params['method']}"
+    if item.originalname.startswith("test_speculative_decoding_with_windows"):
+        return f"variant:{params['which']}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def spec_runs(request, tmp_path_factory, smollm2_path):
+    """The serves the selected tests need, started as the module begins, two at a time (tests/prefetch.py; one
+    after another the module took 123 s of CI)."""
+    from test_engine_variants import serve
+    from variant_models import build_gemma2, build_gptoss
+
+    runs = Prefetch()
+    for key in selected(request, _key):
+        kind, _, arg = key.partition(":")
+        tmp = tmp_path_factory.mktemp(key.replace(":", "-"))
+        if kind == "ngram":
+            runs.start(key, _spec_serve, smollm2_path, tmp)
+        elif kind == "head":
+            runs.start(key, _spec_serve, smollm2_path, tmp, arg, timeout=900)
+        else:
+            # attention outputs zeroed (variant_models._markov): the maps are still the checked attention, and the
+            # next token depends on the current one alone, so drafts are accepted once the greedy output cycles
+            model = {"gptoss": build_gptoss, "gemma2": build_gemma2}[arg](tmp / "model", markov=True)  # here: seeded
+            runs.start(key, lambda m: (m, *serve(tmp, m, "--spec")), model)
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="module")
+def served_spec(spec_runs):
+    return spec_runs["ngram"]
 
 
 def test_drafts_were_proposed_accepted_and_rejected_and_every_request_captured(served_spec):
@@ -64,16 +103,12 @@ SPEC_HEADS = os.environ.get("TEST_SPEC_HEADS", "eagle3").split(",")
 
 
 @pytest.mark.parametrize("method", SPEC_HEADS)
-def test_an_eagle_heads_drafts_are_never_captured_and_the_targets_rows_are_exact(tmp_path, smollm2_path, method):
+def test_an_eagle_heads_drafts_are_never_captured_and_the_targets_rows_are_exact(spec_runs, smollm2_path, method):
     """A draft model with an attention layer of its own (EAGLE-3: fed the target's hidden states after layers 2,
     15 and 30): its layer, numbered after the target's 30, runs with its own KV cache between the target's forwards
     and is never captured, and is named in ``layer_kinds``; the target's captures hold exactly the accepted
     sequence and match HF eager fp32 within the calibrated drift, maps x V as each layer's output."""
-    store, out = tmp_path / "store", tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(HERE / "spec_serve.py"), smollm2_path, str(store), str(out), method],
-                          cwd=str(tmp_path), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
+    store, got = spec_runs[f"head:{method}"]
     drafted = got["spec"]["vllm:spec_decode_num_draft_tokens"]
     accepted = got["spec"]["vllm:spec_decode_num_accepted_tokens"]
     assert 0 < accepted < drafted, got["spec"]
@@ -101,17 +136,13 @@ SPEC_VARIANTS = os.environ.get("TEST_SPEC_VARIANTS", "gptoss").split(",")
 
 
 @pytest.mark.parametrize("which", SPEC_VARIANTS)
-def test_speculative_decoding_with_windows_soft_caps_and_sinks_is_exact(tmp_path, which):
+def test_speculative_decoding_with_windows_soft_caps_and_sinks_is_exact(spec_runs, which):
     """ngram drafts on a model whose layers carry attention terms: rejected drafts' positions are computed
     again with the window, soft-cap and sink terms, the capture holds exactly the sequence, and every layer's
     maps match HF eager fp32 within its bf16 drift (maps x V as the layer's output)."""
-    from test_engine_variants import check_maps, serve
-    from variant_models import build_gemma2, build_gptoss
+    from test_engine_variants import check_maps
 
-    # attention outputs zeroed (variant_models._markov): the maps are still the checked attention, and the next
-    # token depends on the current one alone, so drafts are accepted once the greedy output cycles
-    model = {"gptoss": build_gptoss, "gemma2": build_gemma2}[which](tmp_path / "model", markov=True)
-    store, got, _ = serve(tmp_path, model, "--spec")
+    model, store, got, _ = spec_runs[f"variant:{which}"]  # a model whose drafts are accepted (spec_runs)
     drafted = got["spec"]["vllm:spec_decode_num_draft_tokens"]
     accepted = got["spec"]["vllm:spec_decode_num_accepted_tokens"]
     assert 0 < accepted < drafted, got["spec"]  # accepted drafts and rejected ones

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prefetch import Prefetch, selected
 from reference import check_reconstruction, hf_attention, row_tv
 from variant_models import WINDOW, build_gemma2, build_gemma3, build_gptoss, build_mistral
 
@@ -48,32 +49,71 @@ BUILD = {"gemma2": build_gemma2, "gptoss": build_gptoss, "gemma3": build_gemma3}
 MODELS = os.environ.get("TEST_VARIANT_MODELS", "gemma2,gptoss").split(",")
 
 
+# CI: Gemma 2 with every layer windowed (soft-cap and scale too); TEST_ALL_WINDOW_MODELS adds a Mistral (the GPU machine)
+ALL_WINDOW = os.environ.get("TEST_ALL_WINDOW_MODELS", "gemma2").split(",")
+
+
+def _job(key: str, tmp: Path):
+    """What one serve of this module is: (the model, built here, and the arguments of :func:`serve`)."""
+    kind, _, which = key.partition(":")
+    if kind == "served":
+        # gpt-oss runs its work after the launch after each step's sampler (ATTN_OTEL_AFTER_LAUNCH=sample), Gemma 2
+        # as the forward is launched (the default): each is held to HF eager below all the same
+        return BUILD[which](tmp / "model"), ("--twins",), {"ATTN_OTEL_AFTER_LAUNCH": "sample"} if which == "gptoss" else None
+    if kind == "all-window":
+        model = (build_mistral(tmp / "model") if which == "mistral"
+                 else build_gemma2(tmp / "model", all_window=True))
+        return model, (), None
+    if kind == "small-kv":
+        return build_gptoss(tmp / "model"), (), {"ATTN_OTEL_STREAM_ROWS": "1500000"}
+    if kind == "own-slots":
+        return build_gemma2(tmp / "model", all_window=which == "all-window"), ("--own-slots",), None
+    raise KeyError(key)
+
+
+def _key(item) -> str | None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "served" in item.fixturenames:
+        return f"served:{params['served']}"
+    name = item.originalname
+    if name.startswith("test_a_model_whose_every_layer_has_a_window"):
+        return f"all-window:{params['which']}"
+    if name.startswith("test_a_small_kv_budget"):
+        return "small-kv:"
+    if name.startswith("test_the_scenario_does_reuse"):
+        return f"own-slots:{'all-window' if params['all_window'] else 'half-window'}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def served_runs(request, tmp_path_factory):
+    """Every serve the selected tests of this module need, started as the module begins, two at a time in the
+    order the tests take them (tests/prefetch.py; one after another the module took 141 s of CI, 95 s so).
+    ``served_runs[key]``: that serve's ``(model, store, result, stderr)``, waited for."""
+    runs = Prefetch()
+    for key in selected(request, _key):
+        tmp = tmp_path_factory.mktemp(key.replace(":", "-").strip("-"))
+        model, args, env = _job(key, tmp)  # here, one after another: the builders seed torch's global generator
+        runs.start(key, lambda m, *a, **kw: (m, *serve(*a, **kw)), model, tmp, model, *args, env=env)
+    yield runs
+    runs.close()
+
+
 @pytest.fixture(scope="module", params=MODELS)
-def served(request, tmp_path_factory):
+def served(request, served_runs):
     which = request.param
-    tmp = tmp_path_factory.mktemp(which)
-    model = BUILD[which](tmp / "model")
-    # gpt-oss runs its work after the launch after each step's sampler (ATTN_OTEL_AFTER_LAUNCH=sample), Gemma 2 as
-    # the forward is launched (the default): each is held to HF eager below all the same
-    env = {"ATTN_OTEL_AFTER_LAUNCH": "sample"} if which == "gptoss" else None
-    store, got, _ = serve(tmp, model, "--twins", env=env)
+    model, store, got, _ = served_runs[f"served:{which}"]
     assert got["kv_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"] or got["kv_groups"] == [
         "FullAttentionSpec", "SlidingWindowSpec"]  # vLLM's hybrid KV-cache manager: window blocks are freed
     return which, model, store, got
 
 
-# CI: Gemma 2 with every layer windowed (soft-cap and scale too); TEST_ALL_WINDOW_MODELS adds a Mistral (the GPU machine)
-ALL_WINDOW = os.environ.get("TEST_ALL_WINDOW_MODELS", "gemma2").split(",")
-
-
 @pytest.mark.parametrize("which", ALL_WINDOW)
-def test_a_model_whose_every_layer_has_a_window_is_captured_exactly_by_attn_otels_own_block_table(tmp_path, which):
+def test_a_model_whose_every_layer_has_a_window_is_captured_exactly_by_attn_otels_own_block_table(served_runs, which):
     """One KV-cache group, a SlidingWindowManager's: blocks out of the window are freed (and reused by other
     requests) before a request finishes, and no full-attention group keeps the positions (Mistral 7B v0.1's
     shape).  attn-otel taps by a block table of its own (attn_otel.shadow): every request is captured, exactly."""
-    model = (build_mistral(tmp_path / "model") if which == "mistral"
-             else build_gemma2(tmp_path / "model", all_window=True))
-    store, got, stderr = serve(tmp_path, model)
+    model, store, got, stderr = served_runs[f"all-window:{which}"]
     assert got["kv_groups"] == ["SlidingWindowSpec"]
     assert "tap by attn-otel's own block table" in stderr
     assert got["captured"] == len(got["requests"]) and not got["dropped"], (got["captured"], got["dropped"])
@@ -83,14 +123,13 @@ def test_a_model_whose_every_layer_has_a_window_is_captured_exactly_by_attn_otel
     print(f"\nall-window {which} per-layer TV vs HF eager fp32:", json.dumps(report))
 
 
-def test_a_small_kv_budget_keeps_windowed_layers_on_the_q_k_tap(tmp_path):
+def test_a_small_kv_budget_keeps_windowed_layers_on_the_q_k_tap(served_runs):
     """The start-up sizing weighs streaming a windowed layer (a K-only tap, and its share of the query ring)
     against keeping its Q/K tap, and keeps whichever leaves more KV cache.  A ring of 1.5M rows
     (ATTN_OTEL_STREAM_ROWS; 384 MB a layer here, of a 1 GiB budget) makes the tap the better (326 MB of KV cache
     left against 179 MB): gpt-oss's windowed layer 0 is then tapped (a map layer), its full layer 1 still
     streamed, and every capture exact."""
-    model = build_gptoss(tmp_path / "model")
-    store, got, stderr = serve(tmp_path, model, env={"ATTN_OTEL_STREAM_ROWS": "1500000"})
+    model, store, got, stderr = served_runs["small-kv:"]
     assert got["streamed"] == [1] and 0 in got["map_layers"], (got["streamed"], got["map_layers"])
     assert got["captured"] == len(got["requests"]) and not got["dropped"]
     report = check_maps("gptoss", model, store, got)
@@ -272,13 +311,12 @@ def test_metrics_only_captures_match_hf_eager_within_bf16_drift(served):
 
 
 @pytest.mark.parametrize("all_window", [False, True], ids=["half-window", "all-window"])
-def test_the_scenario_does_reuse_freed_window_blocks(tmp_path, all_window):
+def test_the_scenario_does_reuse_freed_window_blocks(served_runs, all_window):
     """The control: the same run with the windowed layers tapped by their own KV-cache group's slots (which
     vLLM frees out of the window and gives to other requests) stores wrong maps for them, so the scenarios
     above do exercise the freeing that tapping by a full-attention group's slots (half-window), or by
     attn-otel's own block table (all-window), makes exact."""
-    model = build_gemma2(tmp_path / "model", all_window=all_window)
-    store, got, _ = serve(tmp_path, model, "--own-slots")
+    model, store, got, _ = served_runs[f"own-slots:{'all-window' if all_window else 'half-window'}"]
     assert all(s["slots_from"] == "" and s["own_group"] == -1 for s in got["layers"])
     worst = {0: 0.0, 1: 0.0}
     for r in got["requests"]:

@@ -35,7 +35,8 @@ if __name__ == "__main__":
     from attn_otel import vllm_adapter
 
     model, requests = sys.argv[1], json.loads(sys.argv[2])
-    llm = LLM(model=model, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4, seed=0)
+    # eager: what this tests is the store, not how the model runs (no dynamo trace, ~10 s of CI)
+    llm = LLM(model=model, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4, seed=0, enforce_eager=True)
     params = [SamplingParams(max_tokens=4, temperature=0.0,
                              extra_args={"attn_otel": "maps", "traceparent": r["traceparent"]}) for r in requests]
     outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
