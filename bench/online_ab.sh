@@ -30,11 +30,18 @@
 #            old" the old checkout's default, into $OUT/pp/old/; PROFILE_TIMEOUT_S for a first server that compiles)
 #   here:    python3 bench/host_profile.py DIR/pyspy-online-default.txt --against DIR/pyspy-online-off.txt
 #
-# Ratios compare servers of one machine: off, then new and old in both orders.  CAPACITY (req/s, default
-# 39.47, run 15's) sets the load (80% of it); REPEATS (default 3) the measured runs a server: the ITL p99 of one
-# run spreads by up to 20 ms at this load (runs 22-25), so more runs a server buy more than more servers.
+# Ratios compare servers of one machine: off, then new and old in both orders.  The load is 80% of the capacity
+# (req/s) that the "off" step measures on this machine (every request sent at once; an H100 gave 39.47 in run 15,
+# an H200 47.7 in run 36) and the later steps read back; CAPACITY=REQ_S pins it instead (runs 21-35 pinned
+# 39.47 on every H100). REPEATS (default 3) sets the measured runs a server: the ITL p99 of one run spreads by up
+# to 20 ms at this load (runs 22-25), so more runs a server buy more than more servers.
 set -uo pipefail
-cap=${CAPACITY:-39.47}
+measured() {  # the capacity the "off" step measured here (it runs first: setup, or off after install)
+  python3 -c "import json; print(json.load(open('${AB_OFF_JSON:-/tmp/ab/off/online-off.json}'))['capacity_req_s'])" \
+    2>/dev/null \
+    || { echo "no capacity measured on this machine yet: run 'off' first, or set CAPACITY" >&2; return 1; }
+}
+cap=${CAPACITY:-0}  # 0: overhead.py measures it (the "off" step); the steps after it read it back (measured)
 reps=${REPEATS:-3}  # measured runs a server (each ~14 s at this load; a server's start is ~100 s on a warm machine)
 case "${1:-}" in
 setup)  # install, then off
@@ -49,7 +56,8 @@ install)  # stage vLLM's last batch, install this checkout and the old one (/tmp
     > /tmp/pip-old.log 2>&1 || { tail -20 /tmp/pip-old.log; exit 1; }
   nvidia-smi --query-gpu=name,uuid --format=csv,noheader
   ;;
-off)  # capture off, the ratios' reference (a fresh machine compiles for ~220 s first)
+off)  # capture off, the ratios' reference, and this machine's capacity unless CAPACITY pins it (a fresh machine
+  # compiles for ~220 s first)
   source /tmp/gpu-env.sh
   mkdir -p /tmp/ab/off "$OUT/ab"
   timeout 540 python3 bench/overhead.py --online off --capacity "$cap" --repeats "$reps" --out /tmp/ab/off \
@@ -73,6 +81,9 @@ profile)  # one server (off, or this checkout's default) with py-spy on its engi
     mkdir -p "$spydir" && (cd "$spydir" && python3 -m zipfile -e "$OLDPWD/$whl" .)
     spy=$(find "$spydir" -name py-spy -type f | head -1); chmod +x "$spy"; ln -sf "$spy" "$spydir/spy"
   fi
+  # the capacity measured here before, else a capture-off server measures it; a capturing one needs it
+  [ -n "${CAPACITY:-}" ] || { cap=$(measured 2>/dev/null) || cap=0; }
+  [ "$cap" = 0 ] && [ "$ph" != off ] && { measured >/dev/null; exit 1; }
   source /tmp/gpu-env.sh
   keep=$OUT/pp; [ -n "$var" ] || [ -n "$pp" ] && keep=$OUT/pp/$name
   mkdir -p "/tmp/pp-$name" "$keep"
@@ -82,6 +93,7 @@ profile)  # one server (off, or this checkout's default) with py-spy on its engi
   cp "/tmp/pp-$name"/online-*.json "/tmp/pp-$name"/pyspy-* "$keep/" 2>/dev/null
   ;;
 ab)
+  [ -n "${CAPACITY:-}" ] || cap=$(measured) || exit 1
   source /tmp/gpu-env.sh
   run=$2; shift 2
   for spec in "$@"; do  # new, old, or either with one attn-otel variable for its server: new@ATTN_OTEL_AFTER_LAUNCH=0

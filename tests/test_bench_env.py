@@ -64,3 +64,16 @@ def test_online_ab_profile_refuses_a_bad_phase_or_a_missing_py_spy(tmp_path):
         r = subprocess.run(["bash", script, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                            env={**os.environ, "PYSPY_DIR": str(tmp_path / "pyspy")})
         assert r.returncode != 0 and says in r.stdout, (args, r.stdout, r.stderr)
+
+
+def test_online_ab_needs_a_capacity_before_a_capturing_server(tmp_path):
+    """bench/online_ab.sh ab: the load is 80% of the capacity the "off" step measured on this machine; with none
+    measured (and no CAPACITY), a clear message and a failing exit before any server starts."""
+    import os
+    import subprocess
+
+    script = str(Path(__file__).resolve().parent.parent / "bench" / "online_ab.sh")
+    env = {**{k: v for k, v in os.environ.items() if k != "CAPACITY"}, "AB_OFF_JSON": str(tmp_path / "none.json")}
+    r = subprocess.run(["bash", script, "ab", "1", "new"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       env=env)
+    assert r.returncode != 0 and "no capacity measured on this machine yet" in r.stderr, (r.stdout, r.stderr)
