@@ -18,6 +18,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 
+def params_of(item) -> dict:
+    """A collected test's parameters (``{}`` where it has none)."""
+    return getattr(getattr(item, "callspec", None), "params", {})
+
+
 def selected(request, key_of: Callable[[Any], str | list[str] | None]) -> list[str]:
     """The keys of this module's selected tests (``key_of(item)``: a key, a list of them, or None for a test that
     needs none), in the order they run, each once."""

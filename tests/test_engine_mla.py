@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prefetch import Prefetch, selected
 from reference import Calibrated, check_reconstruction, hf_references
-from test_engine_variants import serve
+from test_engine_variants import serve_model
 from variant_models import build_deepseek, build_deepseek_mtp
 
 import attn_otel
@@ -23,16 +23,20 @@ import attn_otel
 pytestmark = pytest.mark.engine
 
 
-# each test's serve: the model's builder and variant_serve's flags
-_SERVES = {"test_every_mla_layer": ("compiled", lambda p: build_deepseek(p, sharpen=2.0), ()),
-           "test_mla_maps_and_metrics": ("compiled", lambda p: build_deepseek(p, sharpen=2.0), ()),
-           "test_mla_under_enforce_eager": ("eager", lambda p: build_deepseek(p, sharpen=2.0),
-                                            ("--eager=all,-rotary_embedding",)),
-           "test_mtp_speculative_decoding": ("mtp", build_deepseek_mtp, ("--spec=mtp",))}
+# the module's serves: the model's builder and variant_serve's flags
+_SERVES = {"compiled": (lambda p: build_deepseek(p, sharpen=2.0), ()),
+           "eager": (lambda p: build_deepseek(p, sharpen=2.0), ("--eager=all,-rotary_embedding",)),
+           "mtp": (build_deepseek_mtp, ("--spec=mtp",))}
 
 
 def _key(item) -> str | None:
-    return next((key for prefix, (key, _, _) in _SERVES.items() if item.originalname.startswith(prefix)), None)
+    if "served_mla" in item.fixturenames:
+        return "compiled"
+    if item.originalname.startswith("test_mla_under_enforce_eager"):
+        return "eager"
+    if item.originalname.startswith("test_mtp_speculative_decoding"):
+        return "mtp"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +44,11 @@ def mla_runs(request, tmp_path_factory):
     """The serves the selected tests need, started as the module begins, two at a time (tests/prefetch.py; one
     after another the module took 63 s of CI).  ``mla_runs[key]``: ``(model, store, result, stderr)``."""
     runs = Prefetch()
-    builds = {key: (build, flags) for key, build, flags in _SERVES.values()}
     for key in selected(request, _key):
         tmp = tmp_path_factory.mktemp(f"deepseek-{key}")
-        build, flags = builds[key]
+        build, flags = _SERVES[key]
         model = build(tmp / "model")  # here, one after another: the builders seed torch's global generator
-        runs.start(key, lambda m, t, f: (m, *serve(t, m, *f)), model, tmp, flags)
+        runs.start(key, serve_model, tmp, model, *flags)
     yield runs
     runs.close()
 

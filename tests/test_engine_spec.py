@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from prefetch import Prefetch, selected
+from prefetch import Prefetch, params_of, selected
 from reference import Calibrated, check_reconstruction, hf_references
 
 import attn_otel
@@ -34,7 +34,7 @@ def _spec_serve(smollm2_path: str, tmp: Path, *method: str, timeout: int = 600) 
 
 
 def _key(item) -> str | None:
-    params = getattr(getattr(item, "callspec", None), "params", {})
+    params = params_of(item)
     if "served_spec" in item.fixturenames:
         return "ngram"
     if item.originalname.startswith("test_an_eagle_heads"):
@@ -48,7 +48,7 @@ def _key(item) -> str | None:
 def spec_runs(request, tmp_path_factory, smollm2_path):
     """The serves the selected tests need, started as the module begins, two at a time (tests/prefetch.py; one
     after another the module took 123 s of CI)."""
-    from test_engine_variants import serve
+    from test_engine_variants import serve_model
     from variant_models import build_gemma2, build_gptoss
 
     runs = Prefetch()
@@ -63,7 +63,7 @@ def spec_runs(request, tmp_path_factory, smollm2_path):
             # attention outputs zeroed (variant_models._markov): the maps are still the checked attention, and the
             # next token depends on the current one alone, so drafts are accepted once the greedy output cycles
             model = {"gptoss": build_gptoss, "gemma2": build_gemma2}[arg](tmp / "model", markov=True)  # here: seeded
-            runs.start(key, lambda m: (m, *serve(tmp, m, "--spec")), model)
+            runs.start(key, serve_model, tmp, model, "--spec")
     yield runs
     runs.close()
 

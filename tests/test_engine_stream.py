@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from prefetch import Prefetch, selected
+from prefetch import Prefetch, params_of, selected
 
 pytestmark = pytest.mark.engine
 
@@ -103,8 +103,7 @@ def _runs(request, smollm2_path, tmp_path_factory):
     """The engines the selected tests need, both at once (tests/prefetch.py; one after the other they took 85 s
     of CI, together 53 s)."""
     def key_of(item):  # the fixture a test names, or takes by its parameter
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        return [k for k in _BLOCKS if k in item.fixturenames or params.get("which") == k]
+        return [k for k in _BLOCKS if k in item.fixturenames or params_of(item).get("which") == k]
 
     runs = Prefetch()
     for key in selected(request, key_of):

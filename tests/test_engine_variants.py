@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prefetch import Prefetch, selected
+from prefetch import Prefetch, params_of, selected
 from reference import check_reconstruction, hf_attention, row_tv
 from variant_models import WINDOW, build_gemma2, build_gemma3, build_gptoss, build_mistral
 
@@ -41,6 +41,11 @@ def serve(tmp: Path, model: str, *extra: str, env: dict | None = None) -> tuple[
                           env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return store, json.loads(out.read_text()), proc.stderr
+
+
+def serve_model(tmp: Path, model: str, *extra: str, env: dict | None = None) -> tuple[str, Path, dict, str]:
+    """:func:`serve`, the model first: ``(model, store, result, stderr)`` (what tests/prefetch.py hands a test)."""
+    return (model, *serve(tmp, model, *extra, env=env))
 
 
 BUILD = {"gemma2": build_gemma2, "gptoss": build_gptoss, "gemma3": build_gemma3}
@@ -72,7 +77,7 @@ def _job(key: str, tmp: Path):
 
 
 def _key(item) -> str | None:
-    params = getattr(getattr(item, "callspec", None), "params", {})
+    params = params_of(item)
     if "served" in item.fixturenames:
         return f"served:{params['served']}"
     name = item.originalname
@@ -94,7 +99,7 @@ def served_runs(request, tmp_path_factory):
     for key in selected(request, _key):
         tmp = tmp_path_factory.mktemp(key.replace(":", "-").strip("-"))
         model, args, env = _job(key, tmp)  # here, one after another: the builders seed torch's global generator
-        runs.start(key, lambda m, *a, **kw: (m, *serve(*a, **kw)), model, tmp, model, *args, env=env)
+        runs.start(key, serve_model, tmp, model, *args, env=env)
     yield runs
     runs.close()
 
