@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import triton_metrics
-from .slots import slots_many
+from .slots import blocks_many, slots_many, slots_of
 from .timing import DeviceTimer
 
 
@@ -81,15 +81,22 @@ class DirectRows:
         firsts = np.asarray([p for _, p, _ in items], dtype=np.int64)
         cnt = np.asarray([n for _, _, n in items], dtype=np.int64)
         ends = firsts + cnt
-        ks_flat, cu_k = slots_many([lv.tracked.block_ids[st.group] for lv in lives], st.block_size, ends)
-        starts, row_slots = _row_slots(ks_flat, cu_k, cnt)
-        row_slots = row_slots.astype(np.int64)
+        block_lists = [lv.tracked.block_ids[st.group] for lv in lives]
         counts, first_l = cnt.tolist(), firsts.tolist()
         prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends, first_l, counts)
+        if st.kernels.fused and vm_parts is None:  # the kernel reads the chunks' blocks (FlushKernels.run_fused)
+            blocks, cu_b = blocks_many(block_lists)
+            row_slots = np.concatenate([slots_of(bl, st.block_size, p, c)
+                                        for bl, p, c in zip(block_lists, first_l, counts)])
+            *args, slots = st.kernels.upload(first_l, counts, blocks, cu_b, prompt, None, None, extra=[row_slots])
+            return _Plan(items, head, slots, (*args, max(counts), st.block_size))
+        ks_flat, cu_k = slots_many(block_lists, st.block_size, ends)
+        starts, row_slots = _row_slots(ks_flat, cu_k, cnt)
+        row_slots = row_slots.astype(np.int64)
         if st.kernels.fused:
             *args, slots = st.kernels.upload(first_l, counts, ks_flat, cu_k, prompt, vm_parts, vc_parts,
                                              extra=[row_slots])
-            args = (*args, max(counts))
+            args = (*args, max(counts), 0)
         else:
             slots = torch.from_numpy(row_slots).to(st.device)
             args = (first_l, counts, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)

@@ -140,3 +140,15 @@ def slots_many(block_lists: Sequence[Sequence[int]], block_size: int, ends: np.n
     pos = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], ends)
     first_block = np.repeat(np.cumsum(nb) - nb, ends)
     return flat[first_block + pos // block_size] * block_size + pos % block_size, cu
+
+
+def blocks_many(block_lists: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The block ids of several requests, concatenated: ``(blocks, cu)`` with request ``b``'s at
+    ``blocks[cu[b]:cu[b + 1]]``.  What the flush kernel reads in place of :func:`slots_many`'s slots (it finds
+    position ``p``'s slot in block ``p // block_size`` itself): one entry a block, not a position, so a flush of
+    a hundred requests of a thousand tokens builds and uploads about 6,000 entries instead of 100,000."""
+    nb = np.fromiter(map(len, block_lists), dtype=np.int64, count=len(block_lists))
+    cu = np.zeros(len(block_lists) + 1, dtype=np.int64)
+    np.cumsum(nb, out=cu[1:])
+    flat = np.fromiter(itertools.chain.from_iterable(block_lists), dtype=np.int64, count=int(cu[-1]))
+    return flat, cu

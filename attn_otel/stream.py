@@ -45,7 +45,7 @@ import torch
 from . import triton_metrics
 from .attention import KERNEL_METRICS, METRICS, attention_metrics, metric_width
 from .direct import DirectRows, _prompt_and_vision, _row_slots
-from .slots import slots_many, upload, upload_many
+from .slots import blocks_many, slots_many, upload, upload_many
 from .spill import SpillBlocks, spill_base
 from .timing import DeviceTimer
 
@@ -362,7 +362,7 @@ class MetricsStream:
 
     def warm_up(self) -> int:
         """Compile the flush kernel on the padding ring row (FlushKernels.warm_up); returns the launches."""
-        return self.kernels.warm_up(self.rows)
+        return self.kernels.warm_up(self.rows, self.block_size)
 
     @property
     def device_s(self) -> float:
@@ -511,19 +511,23 @@ class MetricsStream:
         cnt = np.asarray(counts, dtype=np.int64)
         ends_np = np.asarray([lv.next for lv in lives], dtype=np.int64)
         firsts = (ends_np - cnt).tolist()
-        # every key position of each request, in one vectorised pass; its pending rows are its last ``count``
-        # positions, whose slots find their ring rows (the table the forwards wrote)
-        ks_flat, cu_k = slots_many([lv.tracked.block_ids[self.group] for lv in lives], self.block_size, ends_np)
         n = int(cnt.sum())
         prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends_np, firsts, counts)
+        block_lists = [lv.tracked.block_ids[self.group] for lv in lives]
         seq = 0
         if self.kernels.fused:
+            # each request's blocks: the kernel finds its keys' slots, and its pending rows' (their last
+            # ``count`` positions), whose ring rows are in the table the forwards wrote; a vision mask is per
+            # key, so with one every key's slot, in one vectorised pass
+            paged = self.block_size if vm_parts is None else 0
+            keys, cu_k = blocks_many(block_lists) if paged else slots_many(block_lists, self.block_size, ends_np)
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
-                self.kernels.run_fused(firsts, counts, ks_flat, cu_k, prompt, vm_parts, vc_parts,
-                                       table=self.ring_of_slot)
+                self.kernels.run_fused(firsts, counts, keys, cu_k, prompt, vm_parts, vc_parts,
+                                       table=self.ring_of_slot, paged=paged)
                 seq = self.side.mark()
         else:
+            ks_flat, cu_k = slots_many(block_lists, self.block_size, ends_np)
             starts, row_slots = _row_slots(ks_flat, cu_k, cnt)  # the pending rows' slots
             rows = self.ring_of_slot[torch.from_numpy(row_slots).to(self.device)].cpu().numpy()
             self.kernels.run_torch(firsts, counts, rows, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)
@@ -636,10 +640,12 @@ class FlushKernels:
                 self._layered = (caches, torch.tensor(offs, dtype=torch.int64, device=device))
         self.timer = DeviceTimer()  # device time of the flush kernels (and their uploads)
 
-    def run_fused(self, firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts, table: torch.Tensor) -> None:
-        """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``);
-        its pending rows are its last ``counts[b]`` positions, whose ring rows the kernel reads from ``table``
-        (slot -> ring row, on the device) at their slots."""
+    def run_fused(self, firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts, table: torch.Tensor,
+                  paged: int = 0) -> None:
+        """``key_slots``: every request's key slots, concatenated (request ``b``'s at ``cu_keys[b]:cu_keys[b + 1]``),
+        or with ``paged`` (the cache's block size) its block ids (:func:`attn_otel.slots.blocks_many`); its
+        pending rows are its last ``counts[b]`` positions, whose ring rows the kernel reads from ``table`` (slot
+        -> ring row, on the device) at their slots."""
         started = self.timer.start(self.device)
         cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, vm_d, vc_d = self.upload(
             firsts, counts, key_slots, cu_keys, prompt, vm_parts, vc_parts)
@@ -648,14 +654,14 @@ class FlushKernels:
             triton_metrics.row_metrics_stream_layers(
                 self.q, None, cu_rows_d, first_d, caches, offs, keys_d, cu_keys_d, prompt_d, max(counts),
                 self.layers[0].scale, self.sink_tokens, vm_d, vc_d, self.metrics, terms=self.terms, rows=self.rows,
-                row_table=table)
+                row_table=table, paged=paged)
         else:
             for spec in self.layers:
                 li = self.pos[spec.index]
                 triton_metrics.row_metrics_stream(
                     self.q[li], None, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d,
                     max(counts), spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li],
-                    terms=triton_metrics.terms([spec], self.device), rows=self.rows, row_table=table)
+                    terms=triton_metrics.terms([spec], self.device), rows=self.rows, row_table=table, paged=paged)
         self.timer.stop(started)
 
     @property
@@ -682,11 +688,11 @@ class FlushKernels:
         rows of ``q [n, Hq, D]`` (the forward's own) found by ``table`` at their key ``slots``."""
         spec = self.layers[li]
         if self.fused:
-            cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, vm_d, vc_d, max_rows = args
+            cu_rows_d, first_d, keys_d, cu_keys_d, prompt_d, vm_d, vc_d, max_rows, paged = args
             triton_metrics.row_metrics_stream(
                 q, None, cu_rows_d, first_d, self.keys[spec.index], keys_d, cu_keys_d, prompt_d, max_rows,
                 spec.scale, self.sink_tokens, vm_d, vc_d, self.metrics[li],
-                terms=triton_metrics.terms([spec], self.device), rows=self.rows, row_table=table)
+                terms=triton_metrics.terms([spec], self.device), rows=self.rows, row_table=table, paged=paged)
             return
         firsts, counts, starts, key_slots, prompt, vm_parts = args
         rows = table.index_select(0, slots).cpu().numpy()
@@ -718,10 +724,11 @@ class FlushKernels:
                 rows_m = res[self._rows_idx, :, a:end]  # the metrics the buffer keeps (slot_rows)
                 self.metrics[li].index_copy_(0, out_slots, rows_m.permute(2, 0, 1).to(torch.float16))
 
-    def warm_up(self, pad_row: int) -> int:
+    def warm_up(self, pad_row: int, paged: int = 0) -> int:
         """Compile the flush kernel by running it on one row, the ring's padding row ``pad_row``, against the
-        key at slot 0, whose metrics entry is reset after.  At engine start, before any request; returns the
-        number of launches."""
+        key at slot 0 (block 0 with ``paged``, the variant a flush without vision launches: see
+        :meth:`run_fused`), whose metrics entry is reset after.  At engine start, before any request; returns
+        the number of launches."""
         if not self.fused:
             return 0
 
@@ -731,12 +738,13 @@ class FlushKernels:
         z = np.zeros(1, dtype=np.int32)
         one = np.asarray([0, 1], dtype=np.int32)
         table_d, cu_d, first_d, prompt_d = up(np.asarray([pad_row], dtype=np.int64)), up(one), up(z), up(one[1:])
-        keys_d = up(np.zeros(1, dtype=np.int64))  # key slot 0, whose row the one-entry table gives: pad_row
+        keys_d = up(np.zeros(1, dtype=np.int64))  # key slot (or block) 0, whose row the one-entry table gives
         if self._layered is not None:
             caches, offs = self._layered
             triton_metrics.row_metrics_stream_layers(
                 self.q, None, cu_d, first_d, caches, offs, keys_d, cu_d, prompt_d, 1, self.layers[0].scale,
-                self.sink_tokens, None, None, self.metrics, terms=self.terms, rows=self.rows, row_table=table_d)
+                self.sink_tokens, None, None, self.metrics, terms=self.terms, rows=self.rows, row_table=table_d,
+                paged=paged)
             launches = 1
         else:  # one launch per kernel variant the layers need: their keys' dtype and their terms' switches
             variants = {}
@@ -748,7 +756,8 @@ class FlushKernels:
                 li = self.pos[spec.index]
                 triton_metrics.row_metrics_stream(
                     self.q[li], None, cu_d, first_d, self.keys[spec.index], keys_d, cu_d, prompt_d, 1, spec.scale,
-                    self.sink_tokens, None, None, self.metrics[li], terms=t, rows=self.rows, row_table=table_d)
+                    self.sink_tokens, None, None, self.metrics[li], terms=t, rows=self.rows, row_table=table_d,
+                    paged=paged)
             launches = len(variants)
         self.metrics[:, 0].fill_(float("nan"))
         return launches

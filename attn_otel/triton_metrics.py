@@ -40,10 +40,29 @@ def available(device: torch.device, head_dims=()) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _tile(q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+    def _slot(KSL, kstart0, p, mask, PBS, PAGED: tl.constexpr, MASK: tl.constexpr):
+        # The KV-cache slot of key position p of the request whose entries in KSL start at kstart0: KSL holds
+        # the request's slots, one per position, or with PAGED its blocks' ids (a row of vLLM's block table:
+        # position p is in block KSL[kstart0 + p // PBS] at offset p % PBS), 16x fewer for the host to build.
+        if PAGED:
+            if MASK:
+                blk = tl.load(KSL + kstart0 + p // PBS, mask=mask, other=0)
+            else:
+                blk = tl.load(KSL + kstart0 + p // PBS)
+            s = blk.to(tl.int64) * PBS + p % PBS
+        else:
+            if MASK:
+                s = tl.load(KSL + kstart0 + p, mask=mask, other=0)
+            else:
+                s = tl.load(KSL + kstart0 + p)
+        return s
+
+    @triton.jit
+    def _tile(q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
               m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
               HAS_VISION: tl.constexpr, MASKED: tl.constexpr, CTX: tl.constexpr, LOCAL: tl.constexpr,
-              HAS_CAP: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_N: tl.constexpr):
+              HAS_CAP: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_N: tl.constexpr,
+              PAGED: tl.constexpr):
         # One tile of BLOCK_N keys against the program's rows, folded into the online sums (base 2: s is the
         # logit times log2(e), every sum is relative to the running max m_i and rescaled when it grows).
         # m_i starts at -1e30, not -inf, so the first tile needs no case of its own (alpha = 0, and
@@ -59,11 +78,11 @@ if triton is not None:
         cols = kstart + tl.arange(0, BLOCK_N)
         dd = tl.arange(0, D)
         if MASKED:
-            scol = tl.load(KSL + kstart0 + cols, mask=cols < T, other=0)
+            scol = _slot(KSL, kstart0, cols, cols < T, PBS, PAGED, True)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=(cols < T)[:, None], other=0.0).to(q.dtype)
         else:
-            scol = tl.load(KSL + kstart0 + cols)
+            scol = _slot(KSL, kstart0, cols, cols < T, PBS, PAGED, False)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :]).to(q.dtype)  # fp8: exact
         s = tl.dot(q, tl.trans(kt))  # the logits; c > 0 scales them to base 2 in the one FMA that gives d
@@ -122,19 +141,21 @@ if triton is not None:
 
     # Output strides are not specialised on (they vary with a launch's row count: a variant per divisibility
     # would compile mid-serving); Q and K strides are fixed per engine and are.
-    @triton.jit(do_not_specialize=["KS", "BS", "HEADS", "GROUP", "NHG", "so_l", "so_r", "so_m", "so_h"])
-    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, WINP, CHP, CAPP, SINKP, KS, scale, BS,
+    @triton.jit(do_not_specialize=["KS", "BS", "PBS", "HEADS", "GROUP", "NHG", "so_l", "so_r", "so_m", "so_h"])
+    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, WINP, CHP, CAPP, SINKP, KS, scale, BS, PBS,
                      HEADS, GROUP, NHG, sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
                      HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, LAYERED: tl.constexpr,
                      QR_TABLE: tl.constexpr, LOCAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
                      ROW_NORM: tl.constexpr, ROW_S0: tl.constexpr, ROW_SK: tl.constexpr, ROW_VIS: tl.constexpr,
-                     ROW_LB: tl.constexpr, ROW_SINK: tl.constexpr,
+                     ROW_LB: tl.constexpr, ROW_SINK: tl.constexpr, PAGED: tl.constexpr,
                      HG: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_N: tl.constexpr):
         # Request b: its query rows are positions A[b] .. A[b] + n - 1 (n = CUQ[b+1] - CUQ[b]), read from Q
         # at rows QR[CUQ[b] + i]; its keys are positions 0 .. T - 1 (T = CUK[b+1] - CUK[b] = A[b] + n), read
         # at slots KSL[CUK[b] + j] of a paged K (block KSL // BS, offset KSL % BS; a tap is BS = 1).  QR_TABLE:
         # QR is a slot -> Q row table instead, and position p's row is QR[KSL[CUK[b] + p]] (the stream's ring).
+        # PAGED: KSL holds each request's block ids instead, from CUK[b] (PBS positions a block; see _slot), and
+        # T is A[b] + n.  (VM, over the keys, is then not read: no vision with PAGED.)
         # A program takes BLOCK_R consecutive rows of HEADS query heads that share one KV head (HG >= HEADS,
         # a power of two; padded heads are masked): BLOCK_M = HG * BLOCK_R rows against each K tile, loaded
         # once for all of them (GQA).
@@ -164,8 +185,11 @@ if triton is not None:
         if pid_m * BLOCK_R >= n:
             return
         kstart0 = tl.load(CUK + b)
-        T = tl.load(CUK + b + 1) - kstart0
         a = tl.load(A + b)
+        if PAGED:
+            T = a + n
+        else:
+            T = tl.load(CUK + b + 1) - kstart0
         N = tl.load(NP + b)
         kvh = h0 // GROUP
         BLOCK_M: tl.constexpr = HG * BLOCK_R
@@ -177,7 +201,7 @@ if triton is not None:
         rows = a + local
         dd = tl.arange(0, D)
         if QR_TABLE:
-            qrow = tl.load(QR + tl.load(KSL + kstart0 + rows, mask=row_ok, other=0), mask=row_ok, other=0)
+            qrow = tl.load(QR + _slot(KSL, kstart0, rows, row_ok, PBS, PAGED, True), mask=row_ok, other=0)
         else:
             qrow = tl.load(QR + qstart + local, mask=row_ok, other=0)
         q = tl.load(Q + qrow[:, None] * sq_t + hh[:, None] * sq_h + dd[None, :], mask=row_ok[:, None], other=0.0)
@@ -224,33 +248,33 @@ if triton is not None:
             # every key a row does not see).
             for kstart in range(lo0 // BLOCK_N * BLOCK_N, hi, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
-                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, True, 2, True, HAS_CAP, D, D2, BLOCK_N)
+                    HAS_VISION, True, 2, True, HAS_CAP, D, D2, BLOCK_N, PAGED)
         else:
             # Loops with no branch inside (a branch per tile costs the loop its software pipelining): the
             # diagonal tiles are masked; the tiles before them are not, and only the one holding the prompt's
             # end sorts keys into prompt and generated.
             for kstart in range(0, nf, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
-                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, False, 1, False, HAS_CAP, D, D2, BLOCK_N)
+                    HAS_VISION, False, 1, False, HAS_CAP, D, D2, BLOCK_N, PAGED)
             for kstart in range(nf, nc, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
-                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, False, 2, False, HAS_CAP, D, D2, BLOCK_N)
+                    HAS_VISION, False, 2, False, HAS_CAP, D, D2, BLOCK_N, PAGED)
             for kstart in range(nc, lo, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
-                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, False, 0, False, HAS_CAP, D, D2, BLOCK_N)
+                    HAS_VISION, False, 0, False, HAS_CAP, D, D2, BLOCK_N, PAGED)
             for kstart in range(lo, hi, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
-                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, koff, sk_b, sk_t, c,
+                    q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, True, 2, False, HAS_CAP, D, D2, BLOCK_N)
+                    HAS_VISION, True, 2, False, HAS_CAP, D, D2, BLOCK_N, PAGED)
         # The sink sums, once the max is final: the first KS keys again, in tiles of 16 (not a running sum
         # carried through every tile; rows before KS get NaN, so every sink key here is at or before its row).
         s0 = tl.zeros([BLOCK_M], tl.float32)
@@ -258,7 +282,7 @@ if triton is not None:
         for kstart in range(0, tl.minimum(KS, T), 16):
             cols = kstart + tl.arange(0, 16)
             ok = (cols < KS) & (cols < T)
-            scol = tl.load(KSL + kstart0 + cols, mask=ok, other=0)
+            scol = _slot(KSL, kstart0, cols, ok, PBS, PAGED, True)
             kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             sl = tl.dot(q, tl.trans(kt))
@@ -299,7 +323,7 @@ if triton is not None:
         rf = rows.to(tl.float32)
         nvis = rf + 1.0 - lo_r.to(tl.float32)  # visible keys
         if OUT_BY_SLOT:  # a per-slot buffer [slots, 7, H]: row i goes to its own key slot
-            orow = tl.load(KSL + kstart0 + rows, mask=row_ok, other=0)
+            orow = _slot(KSL, kstart0, rows, row_ok, PBS, PAGED, True)
         else:
             orow = qstart + local
         base = OUT + hh * so_h + orow * so_r
@@ -763,7 +787,8 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
                        prompt_lens: torch.Tensor, max_rows: int, scale: float, sink_tokens: int,
                        vision_mask: torch.Tensor | None, vision_count: torch.Tensor | None,
                        out: torch.Tensor, terms: Terms | None = None,
-                       rows: tuple[str, ...] | None = None, row_table: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: tuple[str, ...] | None = None, row_table: torch.Tensor | None = None,
+                       paged: int = 0) -> torch.Tensor:
     """Rows of several live requests, each against its keys in vLLM's paged cache, into a per-slot buffer.
 
     Request b's query rows are positions ``first[b] ..`` (``cu_rows[b+1] - cu_rows[b]`` of them) at rows
@@ -774,11 +799,14 @@ def row_metrics_stream(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_rows: torc
     float16 or float32; ``out [S, len(rows), Hq]`` with the metrics ``rows`` only, see :func:`_rows_at`).
     ``vision_mask`` is float32 over the keys (``cu_keys``), ``vision_count`` the number of vision keys up to
     each row (``cu_rows``).  With ``row_table`` (slot -> row of ``q_ring``, int64; ``q_rows`` is then not read)
-    the row of position ``p`` is ``row_table[its slot]``: no per-row index to build or upload.  Enqueued on the
-    current stream, no host sync."""
+    the row of position ``p`` is ``row_table[its slot]``: no per-row index to build or upload.  With ``paged``
+    (vLLM's block size), ``key_slots`` holds each request's block ids instead (its block-table row, from
+    ``cu_keys[b]``), position ``p`` at slot ``key_slots[cu_keys[b] + p // paged] * paged + p % paged``: a
+    sixteenth of the entries for the host to build and upload; no vision mask then.  Enqueued on the current
+    stream, no host sync."""
     _launch(q_ring, q_rows if row_table is None else row_table, cu_rows, first, key_cache, key_slots, cu_keys,
             prompt_lens, vision_mask, vision_count, out, out.stride(0), out.stride(1), out.stride(2), True, max_rows,
-            scale, sink_tokens, terms=terms, rows=rows, qr_table=row_table is not None)
+            scale, sink_tokens, terms=terms, rows=rows, qr_table=row_table is not None, paged=paged)
     return out
 
 
@@ -788,14 +816,14 @@ def row_metrics_stream_layers(q_ring: torch.Tensor, q_rows: torch.Tensor, cu_row
                               max_rows: int, scale: float, sink_tokens: int, vision_mask: torch.Tensor | None,
                               vision_count: torch.Tensor | None, out: torch.Tensor,
                               terms: Terms | None = None, rows: tuple[str, ...] | None = None,
-                              row_table: torch.Tensor | None = None) -> torch.Tensor:
+                              row_table: torch.Tensor | None = None, paged: int = 0) -> torch.Tensor:
     """:func:`row_metrics_stream` for every layer of ``q_ring [L, R, Hq, D]`` and ``out [L, S, 7, Hq]`` in one
     launch: layer l's keys are ``key_caches[l]`` (one shape, dtype and strides), which lies
     ``key_offsets[l]`` elements from ``key_caches[0]`` (see :func:`key_offsets`)."""
     _launch(q_ring[0], q_rows if row_table is None else row_table, cu_rows, first, key_caches[0], key_slots, cu_keys,
             prompt_lens, vision_mask, vision_count, out[0], out.stride(1), out.stride(2), out.stride(3), True,
             max_rows, scale, sink_tokens, layers=(q_ring.shape[0], key_offsets, q_ring.stride(0), out.stride(0)),
-            terms=terms, rows=rows, qr_table=row_table is not None)
+            terms=terms, rows=rows, qr_table=row_table is not None, paged=paged)
     return out
 
 
@@ -925,13 +953,15 @@ def _rows_at(names: tuple[str, ...] | None) -> dict[str, int]:
 
 def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vision_mask, vision_count,
             out, so_r, so_m, so_h, by_slot, max_rows, scale, sink_tokens, layers=None,
-            terms: Terms | None = None, rows: tuple[str, ...] | None = None, qr_table: bool = False) -> None:
+            terms: Terms | None = None, rows: tuple[str, ...] | None = None, qr_table: bool = False,
+            paged: int = 0) -> None:
     """``qr_table``: ``q_rows`` is a slot -> row table, read at each row's key slot (``by_slot`` only).
     ``layers``: None, or ``(n, key_offsets, sq_l, so_l)`` for n layers in one launch (``q`` and ``out``
     are then layer 0's, ``key_cache`` layer 0's cache and ``key_offsets`` each layer's element offset from
     it, int64 on the device).  ``terms``: the layers' attention terms (:func:`terms`), None for plain
     layers; with learned sinks ``out`` has an eighth metric row (``so_m`` apart), learned_sink_mass.  ``rows``:
-    the metrics ``out`` keeps along its metric axis, in that order (None: all, in METRICS order)."""
+    the metrics ``out`` keeps along its metric axis, in that order (None: all, in METRICS order).  ``paged``:
+    ``key_slots`` are block ids of that many positions each (see :func:`row_metrics_stream`), 0: slots."""
     hq, d = q.shape[1], q.shape[2]
     hkv = key_cache.shape[2]
     split = split_head_dim(d)
@@ -939,6 +969,8 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
         raise ValueError(f"head_dim {d} is not a power of two or a power of two plus a smaller one")
     B = cu_rows.shape[0] - 1
     has_vision = vision_mask is not None
+    if paged and has_vision:
+        raise ValueError("a vision mask is indexed by key position: give key slots, not blocks (paged=0)")
     vm = vision_mask if has_vision else out  # unused pointers
     vc = vision_count if has_vision else out
     heads, hg = _heads_per_program(hq, hkv)
@@ -955,14 +987,16 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
     if terms is not None and terms.sinks is not None and at["ROW_SINK"] < 0:
         raise ValueError("learned sinks for metric rows without learned_sink_mass")
     _row_metrics[grid](q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_lens, vm, vc, out, koff,
-                       win, chk, cap, sinks, int(sink_tokens), float(scale), int(key_cache.shape[1]), heads,
+                       win, chk, cap, sinks, int(sink_tokens), float(scale), int(key_cache.shape[1]),
+                       max(int(paged), 1), heads,
                        hq // hkv, hq // heads,
                        sq_l, q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                        so_l, so_r, so_m, so_h,
                        HAS_VISION=has_vision, OUT_BY_SLOT=by_slot, LAYERED=layers is not None,
                        QR_TABLE=bool(qr_table), LOCAL=terms is not None and terms.local,
                        HAS_CAP=terms is not None and terms.has_cap,
-                       HAS_SINKS=terms is not None and terms.sinks is not None, **at, HG=hg, D=split[0],
+                       HAS_SINKS=terms is not None and terms.sinks is not None, **at, PAGED=bool(paged),
+                       HG=hg, D=split[0],
                        D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 

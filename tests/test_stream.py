@@ -626,3 +626,21 @@ def test_gather_derives_entropy_norm_under_windows_and_chunks():
     for li, n_vis in enumerate([pos + 1, torch.clamp(pos + 1, max=5), pos % 8 + 1]):
         want = torch.where(n_vis[:, None] > 1, ent[li] / torch.log(n_vis.float().clamp(min=2))[:, None], torch.nan)
         torch.testing.assert_close(got[li, :, 1].float(), want, rtol=1e-3, atol=1e-3, equal_nan=True)
+
+
+def test_blocks_many_gives_the_slots_the_flush_kernel_derives_from_them():
+    """The flush's block ids (what the kernel reads in place of every key's slot): request ``b``'s at
+    ``cu[b]:cu[b + 1]``, position ``p``'s slot ``blocks[cu[b] + p // bs] * bs + p % bs`` as slots_many gives it."""
+    from attn_otel.slots import blocks_many, slots_many
+
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        bs = int(rng.choice([1, 4, 16]))
+        lists = [rng.permutation(1000)[: rng.integers(0, 20)].tolist() for _ in range(rng.integers(1, 6))]
+        ends = [int(rng.integers(0, len(b) * bs + 1)) for b in lists]
+        flat, cu = blocks_many(lists)
+        assert flat.dtype == np.int64 and cu[-1] == flat.shape[0] == sum(map(len, lists))
+        slots, cu_s = slots_many(lists, bs, ends)
+        for b in range(len(lists)):
+            pos = np.arange(ends[b])
+            np.testing.assert_array_equal(flat[cu[b] + pos // bs] * bs + pos % bs, slots[cu_s[b]:cu_s[b + 1]])

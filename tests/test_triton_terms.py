@@ -140,6 +140,42 @@ def cases(device: str) -> dict[str, dict]:
             got, ref = got[:-1], ref[:-1]
         res[f"stream/layer{li}"] = _compare(got, ref)
 
+    # the flush as the stream launches it for a text model (FlushKernels.run_fused): keys found by block (each
+    # request's block-table row, a spare block at its end; paged=BS) and each pending row's query by the
+    # slot -> ring-row table the forwards wrote; two requests, one far into its decode, one whose rows are all
+    # pending, their blocks shuffled among each other's
+    perm = torch.randperm(blocks, generator=g)
+    reqs = [(150, 90, 60, perm[:11]), (40, 0, 25, perm[11:14])]  # (keys, first pending row, prompt, blocks)
+    table = torch.full((blocks * BS + 1,), R, dtype=torch.int64, device=dev)
+    free = torch.randperm(R, generator=g).to(dev)
+    req_slots, used = [], 0
+    for Tb, fb, _, bl in reqs:
+        pos = torch.arange(Tb)
+        sl = (bl[pos // BS] * BS + pos % BS).to(dev)
+        table[sl[fb:]] = free[used:used + Tb - fb]
+        used += Tb - fb
+        req_slots.append(sl)
+    metrics = torch.full((L, blocks * BS + 1, len(kept), hq), float("nan"), dtype=torch.float32, device=dev)
+    counts = [Tb - fb for Tb, fb, _, _ in reqs]
+    tm.row_metrics_stream_layers(
+        q_ring, None, torch.tensor([0, counts[0], sum(counts)], **i32), torch.tensor([fb for _, fb, _, _ in reqs], **i32),
+        [caches[i] for i in range(L)], torch.tensor(offs, dtype=torch.int64, device=dev),
+        torch.cat([bl for *_, bl in reqs]).to(dev), torch.tensor([0, 11, 14], **i32),
+        torch.tensor([nb for _, _, nb, _ in reqs], **i32), max(counts), scale, 4, None, None, metrics,
+        terms=tm.terms([_spec(*lt, hq) for lt in layer_terms], dev), rows=kept, row_table=table, paged=BS)
+    for b, ((Tb, fb, nb, _), sl) in enumerate(zip(reqs, req_slots)):
+        for li, lt in enumerate(layer_terms):
+            kk = caches[li].reshape(-1, hkv, d)[sl].float()
+            qq = torch.zeros(Tb, hq, d, device=dev)
+            qq[fb:] = q_ring[li][table[sl[fb:]]].float()
+            ref = attention_metrics(qq, kk, scale, nb, 4, start=fb, **_ref_terms(*lt, dev))[:, :, fb:]
+            ref = ref[[METRICS.index(n) for n in kept]]
+            got = metrics[li][sl[fb:]].permute(1, 2, 0)
+            if lt[3] is None:
+                assert torch.isnan(got[-1]).all()
+                got, ref = got[:-1], ref[:-1]
+            res[f"paged/request{b}/layer{li}"] = _compare(got, ref)
+
     # the same flush for a model that takes images: the per-slot rows keep the vision pair; a request with an
     # image, one layer at a time (row_metrics_stream), a plain layer and a windowed one with sinks
     vm = torch.zeros(Tr, device=dev)
@@ -161,7 +197,7 @@ def cases(device: str) -> dict[str, dict]:
 
 
 def _check(results: dict) -> None:
-    assert len(results) == 2 * len(TERMS) + 4 + 3 + 2
+    assert len(results) == 2 * len(TERMS) + 4 + 3 + 6 + 2
     bad = {k: v for k, v in results.items() if not v["nan_agree"] or v["err"] > BOUND or not v["defined"]}
     assert not bad, bad
 
@@ -180,14 +216,17 @@ def test_the_kernels_terms_match_torch_on_the_gpu():
     _check(cases("cuda"))
 
 
-# (LAYERED, LOCAL, HAS_CAP, HAS_SINKS, HAS_VISION, OUT_BY_SLOT): the finish's paths (one request, by slot) with a
-# windowed layer's terms, the stream's flush of several layers with soft-caps and sinks, and the plain kernel
-COMPILED = [(False, True, True, True, True, False), (False, True, False, True, False, False),
-            (True, False, True, True, False, True), (True, False, False, False, True, True)]
+# (LAYERED, LOCAL, HAS_CAP, HAS_SINKS, HAS_VISION, OUT_BY_SLOT, PAGED): the finish's paths (one request, by slot)
+# with a windowed layer's terms, the stream's flush of several layers with soft-caps and sinks, the plain kernel,
+# and the stream's flush of a text model as it is launched (keys by block) with and without a window
+COMPILED = [(False, True, True, True, True, False, False), (False, True, False, True, False, False, False),
+            (True, False, True, True, False, True, True), (True, False, False, False, True, True, False),
+            (True, False, False, False, False, True, True), (False, True, False, True, False, True, True)]
 
 
 @pytest.mark.parametrize("flags", COMPILED, ids=["one-local-cap-sinks-vision", "one-local-sinks",
-                                                 "stream-cap-sinks", "stream-plain-vision"])
+                                                 "stream-cap-sinks-paged", "stream-plain-vision", "stream-plain-paged",
+                                                 "stream-local-sinks-paged"])
 def test_the_kernel_compiles_for_an_h100(flags):
     """The interpreter runs the kernel as Python and so does not check what only the compiler does (types that
     differ between branches, shapes a loop carries): compile the kernel's variants to an sm_90 cubin, with
@@ -199,13 +238,14 @@ def test_the_kernel_compiles_for_an_h100(flags):
     from attn_otel import triton_metrics as tm
 
     fn = tm._row_metrics
-    layered, local, cap, sinks, vision, by_slot = flags
+    layered, local, cap, sinks, vision, by_slot, paged = flags
     # the stream's per-slot rows (a text model's, or one that takes images) or every metric
     from attn_otel.stream import slot_rows
 
     rows = slot_rows([_spec(0, 0, 0.0, [0.0] if sinks else None, 4)], vision) if by_slot else None
     consts = dict(HAS_VISION=vision, OUT_BY_SLOT=by_slot, LAYERED=layered, LOCAL=local, HAS_CAP=cap,
-                  HAS_SINKS=sinks, **tm._rows_at(rows), HG=4, D=64, D2=0, BLOCK_R=32, BLOCK_N=128)
+                  HAS_SINKS=sinks, **tm._rows_at(rows), PAGED=paged, QR_TABLE=by_slot, HG=4, D=64, D2=0,
+                  BLOCK_R=32, BLOCK_N=128)
     assert set(consts) <= set(fn.arg_names)
     ptrs = {"Q": "*bf16", "K": "*bf16", "QR": "*i64", "KSL": "*i64", "KOFF": "*i64", "VM": "*fp32", "VC": "*fp32",
             "OUT": "*fp16" if by_slot else "*fp32", "CAPP": "*fp32", "SINKP": "*fp32", "scale": "fp32",
