@@ -284,6 +284,7 @@ class MetricsStream:
         self._full_at = torch.tensor([METRICS.index(n) for n in self.slot_rows], dtype=torch.int64, device=device)
         self._window = torch.tensor([int(s.window or 0) for s in self.layers], dtype=torch.int64, device=device)
         self._chunk = torch.tensor([int(s.chunk or 0) for s in self.layers], dtype=torch.int64, device=device)
+        self._local = any(s.window or s.chunk for s in self.layers)  # else a row sees its position + 1 keys
         # per slot the ring row its token's query went to (written in the forward), and the row counter the
         # forward takes its rows from: base of this forward, head of the next (triton_metrics.ring_advance)
         self.ring_of_slot = torch.full((S + 1,), R, dtype=torch.int64, device=device)
@@ -546,8 +547,9 @@ class MetricsStream:
         learned sinks: :func:`attn_otel.attention.metric_width`), the kept rows (:func:`slot_rows`) put in place and
         ``entropy_norm`` derived: the entropy over ln n_i, n_i the keys row i sees (its position + 1, or
         fewer under the layer's window or chunks; NaN where n_i = 1), as the kernel computes it."""
-        return full_rows(self.metrics.index_select(1, slots), self._full_at, self.width, positions, self._window,
-                         self._chunk)
+        local = self._local
+        return full_rows(self.metrics.index_select(1, slots), self._full_at, self.width, positions,
+                         self._window if local else None, self._chunk if local else None)
 
 
 def _pending_owners(st: MetricsStream, live: _Live) -> dict[int, _Live]:
@@ -570,19 +572,24 @@ def _pending_owners(st: MetricsStream, live: _Live) -> dict[int, _Live]:
 _NORM = METRICS.index("entropy_norm")
 
 
-def full_rows(kept: torch.Tensor, full_at: torch.Tensor, width: int, positions: torch.Tensor, window: torch.Tensor,
-              chunk: torch.Tensor) -> torch.Tensor:
+def full_rows(kept: torch.Tensor, full_at: torch.Tensor, width: int, positions: torch.Tensor,
+              window: torch.Tensor | None, chunk: torch.Tensor | None) -> torch.Tensor:
     """``kept [L, n, len(slot_rows), H]`` (entropy first) as ``[L, n, width, H]`` rows in METRICS order: each
     kept row at ``full_at``, ``entropy_norm`` derived from the entropy and the rows' ``positions`` under each
-    layer's ``window`` and ``chunk`` (``[L]``, 0: none), the rest NaN."""
+    layer's ``window`` and ``chunk`` (``[L]``, 0: none; None for both where no layer has either: the finish
+    batch's path for most models, four kernels fewer), the rest NaN."""
     L, n, _, H = kept.shape
     out = torch.full((L, n, width, H), float("nan"), dtype=kept.dtype, device=kept.device)
     out.index_copy_(2, full_at, kept)
     pos = positions.to(device=kept.device, dtype=torch.int64).view(1, -1)
-    w, c = window.view(-1, 1), chunk.view(-1, 1)
-    lo = torch.where(w > 0, (pos - w + 1).clamp_min(0), torch.zeros_like(pos))
-    lo = torch.where(c > 0, torch.maximum(lo, pos // c.clamp_min(1) * c), lo)
-    n_vis = (pos + 1 - lo).float()  # [L, n]: the keys each row sees
+    if window is None and chunk is None:
+        n_vis = (pos + 1).float().expand(L, n)  # [L, n]: the keys each row sees
+    else:
+        w = (window if window is not None else torch.zeros_like(chunk)).view(-1, 1)
+        c = (chunk if chunk is not None else torch.zeros_like(window)).view(-1, 1)
+        lo = torch.where(w > 0, (pos - w + 1).clamp_min(0), torch.zeros_like(pos))
+        lo = torch.where(c > 0, torch.maximum(lo, pos // c.clamp_min(1) * c), lo)
+        n_vis = (pos + 1 - lo).float()  # [L, n]: the keys each row sees
     norm = kept[:, :, 0].float() / torch.log(n_vis.clamp_min(2.0)).unsqueeze(-1)
     out[:, :, _NORM] = torch.where((n_vis > 1).unsqueeze(-1), norm, torch.nan).to(out.dtype)
     return out
