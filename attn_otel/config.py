@@ -156,6 +156,16 @@ JIT call, which compiles or finds the kernel; later ones launch that kernel thro
 Triton's per-call binding and cache lookup (on an H100 about 10 us of the engine loop's host time a launch
 against 28, ``bench/launch_cost.py``).  ``jit``: Triton's JIT call every time, as up to 2026-11-28."""
 
+ATTN_OTEL_FLUSH_KEYS = "ATTN_OTEL_FLUSH_KEYS"
+"""How a flush of the streamed layers' pending rows gives the metric kernel each request's keys.  ``slots``
+(default): every key position's KV-cache slot, built on the engine loop from the request's blocks and
+uploaded (about 93,000 for 100 live requests of 900 tokens).  ``blocks``: the request's block ids only, one a
+block (a sixteenth), the kernel finding each position's slot itself; a flush's host time on the engine loop
+x0.39 on an H200 (``bench/flush_host.py``), the same kernel time, but in two online A/Bs on H200s (2026-11-28,
+docs/benchmarks/overhead.md, run 37) its servers' ITL and TTFT p99 were above the slots' in 7 of 8 paired runs,
+so it is not the default until a call that A/Bs the two on one machine says otherwise.  A flush of a model
+with images gives slots either way (its vision mask is per key)."""
+
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """Whether the request's token ids are stored with its capture (``attn-otel show`` then labels axes with
 them).  Token ids are content: by default (unset) they are stored only where OpenTelemetry's GenAI
@@ -326,6 +336,7 @@ class Config:
     hold_finished: bool = True
     kv_write: str = "fused"
     launch: str = "bound"
+    flush_keys: str = "slots"
     view_url: str | None = None
 
     @classmethod
@@ -369,6 +380,7 @@ class Config:
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)
         values["launch"] = _choice(env, ATTN_OTEL_LAUNCH, ("bound", "jit"), d.launch)
+        values["flush_keys"] = _choice(env, ATTN_OTEL_FLUSH_KEYS, ("slots", "blocks"), d.flush_keys)
         values["view_url"] = _view_url(env.get(ATTN_OTEL_VIEW_URL))
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

@@ -313,6 +313,7 @@ class MetricsStream:
         self._oldest: int | None = None
         self._inflight: list[tuple[int, int]] = []
         self.defer_flush = False  # the flush at half the ring waits for after_launch (ATTN_OTEL_AFTER_LAUNCH)
+        self.flush_keys = "slots"  # or "blocks": what a flush gives the kernel of its keys (ATTN_OTEL_FLUSH_KEYS)
         self.flush_due = False
         self.direct = DirectRows(self)  # prefill chunks' rows in the forward (ATTN_OTEL_STREAM_DIRECT; off)
         self._writer = np.full(-(-S // self.block_size), -1, dtype=np.int64)
@@ -363,7 +364,7 @@ class MetricsStream:
 
     def warm_up(self) -> int:
         """Compile the flush kernel on the padding ring row (FlushKernels.warm_up); returns the launches."""
-        return self.kernels.warm_up(self.rows, self.block_size)
+        return self.kernels.warm_up(self.rows, self.block_size if self.flush_keys == "blocks" else 0)
 
     @property
     def device_s(self) -> float:
@@ -517,10 +518,10 @@ class MetricsStream:
         block_lists = [lv.tracked.block_ids[self.group] for lv in lives]
         seq = 0
         if self.kernels.fused:
-            # each request's blocks: the kernel finds its keys' slots, and its pending rows' (their last
-            # ``count`` positions), whose ring rows are in the table the forwards wrote; a vision mask is per
-            # key, so with one every key's slot, in one vectorised pass
-            paged = self.block_size if vm_parts is None else 0
+            # every key position's slot, in one vectorised pass, or (ATTN_OTEL_FLUSH_KEYS=blocks) each request's
+            # blocks, the kernel finding its keys' slots, and its pending rows' (their last ``count`` positions),
+            # whose ring rows are in the table the forwards wrote; a vision mask is per key: slots with one
+            paged = self.block_size if self.flush_keys == "blocks" and vm_parts is None else 0
             keys, cu_k = blocks_many(block_lists) if paged else slots_many(block_lists, self.block_size, ends_np)
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():

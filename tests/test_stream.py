@@ -40,7 +40,7 @@ class Toy:
 
     def __init__(self, rows: int, num_blocks: int = 64, keys_in_cache: bool = True, seed: int = 0,
                  device: str = "cpu", slow: bool = False, spill: int = 0, defer_flush: bool = False,
-                 direct: bool = False):
+                 direct: bool = False, flush_keys: str = "slots"):
         self.g = torch.Generator().manual_seed(seed)
         self.num_blocks = num_blocks
         self.device = device
@@ -59,6 +59,7 @@ class Toy:
         self.slow = slow  # GPU: every step's capture work starts behind a sleep, far behind the forwards
         self.stream.defer_flush = defer_flush  # the flush at half the ring after the forward, as the adapter does
         self.stream.direct.min = 1 if direct else None  # prefill chunks' rows in the forward (vllm_adapter)
+        self.stream.flush_keys = flush_keys  # slots or block ids to the flush kernel (ATTN_OTEL_FLUSH_KEYS)
         self.flushed_before = self.flushed_after = 0  # half-ring flushes in schedule / after the forward
 
     def new(self, rid, T, prompt_len, share=None, vision=None):
@@ -187,9 +188,15 @@ def _three_requests(toy):
         toy.check(rid, got[rid])
 
 
+# ATTN_OTEL_FLUSH_KEYS: block ids change what the Triton flush reads, so that layout runs with -m gpu only (on
+# a CPU the flush is the torch reference either way)
+FLUSH_KEYS = ["slots", pytest.param("blocks", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("flush_keys", FLUSH_KEYS)
 @pytest.mark.parametrize("rows, keys_in_cache", [(16, True), (64, True), (1000, True), (16, False)])
-def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache, device):
-    toy = Toy(rows, keys_in_cache=keys_in_cache, device=device)
+def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache, device, flush_keys):
+    toy = Toy(rows, keys_in_cache=keys_in_cache, device=device, flush_keys=flush_keys)
     _three_requests(toy)
     assert toy.stream.pending() == 0
     if rows == 16:
@@ -199,11 +206,12 @@ def test_streamed_rows_equal_the_reference_whatever_the_ring(rows, keys_in_cache
     assert toy.stream.counter.drifts == 0
 
 
+@pytest.mark.parametrize("flush_keys", FLUSH_KEYS)
 @pytest.mark.parametrize("rows, keys_in_cache", [(16, True), (1000, True), (16, False)])
-def test_direct_rows_equal_the_reference_and_take_no_ring_rows(rows, keys_in_cache, device):
+def test_direct_rows_equal_the_reference_and_take_no_ring_rows(rows, keys_in_cache, device, flush_keys):
     """ATTN_OTEL_STREAM_DIRECT: every prefill chunk (more than one token, nothing pending) is computed in the
     forward after each layer's attention, from the forward's queries; only decode tokens take ring rows."""
-    toy = Toy(rows, keys_in_cache=keys_in_cache, device=device, direct=True)
+    toy = Toy(rows, keys_in_cache=keys_in_cache, device=device, direct=True, flush_keys=flush_keys)
     _three_requests(toy)
     st = toy.stream
     assert st.pending() == 0 and st.counter.drifts == 0
@@ -371,11 +379,12 @@ def test_a_drifted_row_counter_drops_the_running_captures(device):
     assert not toy.stream.lost("b") and toy.stream.counter.drifts == 2
 
 
+@pytest.mark.parametrize("flush_keys", FLUSH_KEYS)
 @pytest.mark.parametrize("direct", [False, True])
-def test_a_prefix_hit_on_a_live_requests_pending_rows(device, direct):
+def test_a_prefix_hit_on_a_live_requests_pending_rows(device, direct, flush_keys):
     """b hits a's first 3 blocks while a's rows there are still pending in the ring (or, with direct rows,
     computed in a's first forward); b finishes first."""
-    toy = Toy(rows=1000, device=device, direct=direct)
+    toy = Toy(rows=1000, device=device, direct=direct, flush_keys=flush_keys)
     toy.new("a", 20, prompt_len=16)
     toy.step([("a", 0, 16)])
     toy.new("b", 18, prompt_len=14, share=("a", 3))
@@ -410,11 +419,12 @@ def _run_preemption(toy, rid="a"):
     toy.check("x", got["x"])
 
 
+@pytest.mark.parametrize("flush_keys", FLUSH_KEYS)
 @pytest.mark.parametrize("direct", [False, True])
-def test_preemption_flushes_before_the_blocks_go(device, direct):
+def test_preemption_flushes_before_the_blocks_go(device, direct, flush_keys):
     """A preempted request's pending rows are computed in the step that frees its blocks; its recomputation
     later lands in new blocks (with direct rows, in that step's forward); every row at finish is right."""
-    toy = Toy(rows=1000, num_blocks=16, device=device, direct=direct)
+    toy = Toy(rows=1000, num_blocks=16, device=device, direct=direct, flush_keys=flush_keys)
     _run_preemption(toy)
     assert toy.stream.direct.computed == (10 + 12 + 11 if direct else 0)
 
