@@ -11,7 +11,7 @@ by up to 2x between runs a minute apart, so only alternated rounds compare, and 
 changed (the eager writes, say) show how far the host drifted in each round.
 
     python3 bench/flush_host.py [--live 100] [--calls 300] [--profile] [--out FILE]
-    python3 bench/flush_host.py --baseline DIR [--rounds 4] [--out docs/benchmarks/flush-host-h100.json]
+    python3 bench/flush_host.py --baseline DIR [--rounds 4] [--flush-keys blocks] [--out docs/benchmarks/flush-host-h100.json]
 """
 
 from __future__ import annotations
@@ -96,12 +96,15 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--baseline", help="a checkout of another attn-otel to compare with, rounds alternating")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--flush-keys", choices=("slots", "blocks"), default="slots",
+                    help="this checkout's ATTN_OTEL_FLUSH_KEYS (a baseline without the switch gives slots)")
     a = ap.parse_args()
     if a.baseline:
         compare(a)
         return
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     st, layers, reqs = build(a.live, a.rows, a.device)
+    st.flush_keys = a.flush_keys  # (an attribute an earlier checkout's stream does not read)
     st.warm_up()
     for r in reqs:  # each request's prompt but its last 8 tokens, then decode steps
         prefill(st, layers, r)
@@ -183,7 +186,8 @@ def compare(a) -> None:
             print(f"round {r + 1}/{a.rounds}: {name} ...", file=sys.stderr, flush=True)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, *filter(None, [os.environ.get("PYTHONPATH")])])}
             out = subprocess.run([sys.executable, __file__, "--live", str(a.live), "--calls", str(a.calls),
-                                  "--rows", str(a.rows), "--device", a.device], check=True, capture_output=True,
+                                  "--rows", str(a.rows), "--device", a.device, "--flush-keys", a.flush_keys],
+                                 check=True, capture_output=True,
                                  text=True, env=env).stdout
             rounds[name].append(json.loads(out[:out.rindex("}") + 1]))
     write_report(rounds, a.out)
