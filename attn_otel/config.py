@@ -162,8 +162,9 @@ ATTN_OTEL_FLUSH_KEYS = "ATTN_OTEL_FLUSH_KEYS"
 uploaded (about 93,000 for 100 live requests of 900 tokens).  ``blocks``: the request's block ids only, one a
 block (a sixteenth), the kernel finding each position's slot itself; a flush's host time on the engine loop
 x0.39 on an H200 (``bench/flush_host.py``), the same kernel time, but in two online A/Bs on H200s (2026-11-28,
-docs/benchmarks/overhead.md, run 37) its servers' ITL and TTFT p99 were above the slots' in 7 of 8 paired runs,
-so it is not the default until a call that A/Bs the two on one machine says otherwise.  A flush of a model
+docs/benchmarks/overhead.md, run 37) its servers' TTFT p50 was x1.23-x1.31 the slots' (above in 7 of 8 runs
+paired by seed) and their ITL and TTFT p99 x1.08-x1.47, so it is not the default until a call that A/Bs the two
+on one machine says otherwise.  A flush of a model
 with images gives slots either way (its vision mask is per key)."""
 
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
