@@ -84,7 +84,8 @@ class DirectRows:
         block_lists = [lv.tracked.block_ids[st.group] for lv in lives]
         counts, first_l = cnt.tolist(), firsts.tolist()
         prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends, first_l, counts)
-        if st.kernels.fused and st.flush_keys == "blocks" and vm_parts is None:  # the kernel reads the chunks' blocks (ATTN_OTEL_FLUSH_KEYS)
+        if st.kernels.fused and st.flush_keys == "blocks" and vm_parts is None:
+            # the kernel reads the chunks' blocks (ATTN_OTEL_FLUSH_KEYS), the table marks their rows' slots
             blocks, cu_b = blocks_many(block_lists)
             row_slots = np.concatenate([slots_of(bl, st.block_size, p, c)
                                         for bl, p, c in zip(block_lists, first_l, counts)])
