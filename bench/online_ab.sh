@@ -20,7 +20,8 @@
 # 46 lost two machines so): send the staging calls and the calls after them together, so they run back to back.
 #
 # Then, here: the calls' ab/ files in one folder, and python3 bench/online_report.py --dir FOLDER --png FILE
-# (a row a server, each configuration's runs pooled and paired by seed, every run plotted).
+# (a row a server, each configuration's runs pooled and paired by seed, every run plotted); --reference NAME
+# takes one configuration's servers as the reference instead of capture off (two capturing configurations A/B'd).
 #
 # Where the engine loop's time goes, capture off against on (run 33): py-spy on each server's engine core,
 #   here:    .venv/bin/python -m pip download py-spy==0.4.2 --no-deps --only-binary :all: -d .gpu/scripts

@@ -10,6 +10,9 @@ Two sources:
         online-default-NAME-RUN.json for each server (NAME: new, old, new-ATTN_OTEL_X_V, ...)
     python3 bench/online_report.py --collection docs/benchmarks/online-ab-2026-11-26.json --key 26b
         one call kept in the A/B collection (its servers in the order they ran)
+    python3 bench/online_report.py --collection docs/benchmarks/online-ab-2026-11-28.json --key 37b --reference old
+        every ratio against the servers of one configuration instead of capture off (a call with no capture-off
+        server, or one that A/Bs two capturing configurations: pooled and paired by seed the same way)
 
 A server's configuration is its name less a trailing "-N" (the order's number); configurations are pooled by
 that name.  A call may have several capture-off servers (``online-off.json`` from ``setup``, ``online-off-N.json``
@@ -47,16 +50,17 @@ def _runs(server: dict, where: str) -> list[dict]:
     return runs
 
 
-def from_dir(d: Path) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
-    """([(off server name, server)...], [(server name, server)...]) from bench/online_ab.sh's $OUT/ab, each
-    ordered by run then file name."""
+def from_dir(d: Path, reference: str | None = None) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """([(reference server name, server)...], [(server name, server)...]) from bench/online_ab.sh's $OUT/ab, each
+    ordered by run then file name; the reference is capture off, or with ``reference`` the servers of that
+    configuration (the others, capture off's included, are compared with them)."""
     offs = []
     for f in d.glob("online-off*.json"):
         m = re.fullmatch(r"online-off(?:-(\d+))?\.json", f.name)
         if not m:
             raise ReportError(f"{f.name}: not online-off.json or online-off-RUN.json")
         offs.append((int(m.group(1) or 0), f))
-    if not any(run == 0 for run, _ in offs):
+    if reference is None and not any(run == 0 for run, _ in offs):
         raise ReportError(f"{d}: no online-off.json (the capture-off reference; bench/online_ab.sh off)")
     servers = []
     for f in d.glob("online-default-*.json"):
@@ -67,20 +71,33 @@ def from_dir(d: Path) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     if not servers:
         raise ReportError(f"{d}: no online-default-NAME-RUN.json")
     servers.sort(key=lambda s: (s[0], s[1]))
-    return ([("off" if run == 0 else f"off-{run}", json.loads(f.read_text())) for run, f in sorted(offs)],
-            [(f"{name}-{run}", json.loads(f.read_text())) for run, name, f in servers])
+    named = [("off" if run == 0 else f"off-{run}", json.loads(f.read_text())) for run, f in sorted(offs)]
+    return _split(named + [(f"{name}-{run}", json.loads(f.read_text())) for run, name, f in servers], reference,
+                  str(d))
 
 
-def from_collection(path: Path, key: str) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+def from_collection(path: Path, key: str,
+                    reference: str | None = None) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     doc = json.loads(path.read_text())
     if key not in doc:
         raise ReportError(f"{path.name}: no call {key!r} (it has {', '.join(sorted(doc))})")
     call = doc[key]
     phases, order = call.get("phases", {}), call.get("order") or list(call.get("phases", {}))
-    offs = [n for n in order if _is_off(n)]
-    if not offs:
-        raise ReportError(f"{path.name} {key}: no capture-off server")
-    return [(n, phases[n]) for n in offs], [(n, phases[n]) for n in order if not _is_off(n)]
+    return _split([(n, phases[n]) for n in order], reference, f"{path.name} {key}")
+
+
+def _split(servers: list[tuple[str, dict]], reference: str | None, where: str):
+    """(the reference servers, the others), each in the given order: capture off's, or ``reference``'s."""
+    if reference is None:
+        refs = [s for s in servers if _is_off(s[0])]
+        if not refs:
+            raise ReportError(f"{where}: no capture-off server")
+    else:
+        refs = [s for s in servers if config_of(s[0]) == reference]
+        if not refs:
+            have = ", ".join(dict.fromkeys(config_of(n) for n, _ in servers))
+            raise ReportError(f"{where}: no server of configuration {reference!r} (it has {have})")
+    return refs, [s for s in servers if not any(s is r for r in refs)]
 
 
 def _is_off(name: str) -> bool:
@@ -105,18 +122,20 @@ def _reference(offs: list[tuple[str, list[dict]]]) -> tuple[dict, list[dict]]:
     return med, by_seed
 
 
-def analyse(offs, servers: list[tuple[str, dict]]) -> dict:
-    """``offs``: the capture-off servers, [(name, server)...] (or one server alone)."""
+def analyse(offs, servers: list[tuple[str, dict]], reference: str | None = None) -> dict:
+    """``offs``: the reference servers, [(name, server)...] (or one server alone): capture off's, or those of
+    the configuration ``reference``."""
     if isinstance(offs, dict):
         offs = [("off", offs)]
+    same = OFF_VS_OFF if reference is None else f"{reference} vs {reference}"
     off_groups = [(n, _runs(s, n)) for n, s in offs]
     med, by_seed = _reference(off_groups)
     rows, by_config = [], {}
     if len(off_groups) > 1:  # each off server against the others: what two servers of one configuration differ by
         for i, (name, s) in enumerate(offs):
             others = _reference([g for j, g in enumerate(off_groups) if j != i])
-            rows.append(_row(name, OFF_VS_OFF, s, off_groups[i][1], others[0]))
-            by_config.setdefault(OFF_VS_OFF, []).append((off_groups[i][1], others))
+            rows.append(_row(name, same, s, off_groups[i][1], others[0]))
+            by_config.setdefault(same, []).append((off_groups[i][1], others))
     for name, s in servers:
         runs = _runs(s, name)
         rows.append(_row(name, config_of(name), s, runs, med))
@@ -129,7 +148,7 @@ def analyse(offs, servers: list[tuple[str, dict]]) -> dict:
                               "paired by seed")
         paired = {k: statistics.median(r[k] / o[k] for g, ref in groups for r, o in zip(g, ref[1]))
                   for k in RATIO_KEYS}
-        if cfg == OFF_VS_OFF:  # the off server farthest from the others (a median of r and 1/r would be 1)
+        if cfg == same:  # the off server farthest from the others (a median of r and 1/r would be 1)
             ratio = {k: _farthest(statistics.median(r[k] for r in g) / ref[0][k] for g, ref in groups)
                      for k in RATIO_KEYS}
             paired = {k: _farthest(statistics.median(r[k] / o[k] for r, o in zip(g, ref[1])) for g, ref in groups)
@@ -141,7 +160,9 @@ def analyse(offs, servers: list[tuple[str, dict]]) -> dict:
                        "per_run": {k: [[r[k] / o[k] for r, o in zip(g, ref[1])] for g, ref in groups]
                                    for k in ("itl_p99_s", "ttft_p99_s")}}
     return {"off": {"runs": sum(len(g) for _, g in off_groups), "servers": len(off_groups), "median": med,
-                    "device": offs[0][1].get("device")}, "servers": rows, "configs": pooled}
+                    "device": offs[0][1].get("device"), "name": reference or "off",
+                    "label": "capture off" if reference is None else reference},
+            "servers": rows, "configs": pooled}
 
 
 def _farthest(ratios) -> float:
@@ -168,8 +189,9 @@ def _row(name: str, config: str, s: dict, runs: list[dict], ref: dict) -> dict:
 def markdown(a: dict) -> str:
     o = a["off"]["median"]
     n_off = a["off"].get("servers", 1)
-    label = "off" if n_off == 1 else f"off, {n_off} servers pooled"
-    out = [f"capture off: {a['off']['runs']} runs ({n_off} server{'s' * (n_off > 1)}) on "
+    name = a["off"].get("name", "off")
+    label = name if n_off == 1 else f"{name}, {n_off} servers pooled"
+    out = [f"{a['off'].get('label', 'capture off')}: {a['off']['runs']} runs ({n_off} server{'s' * (n_off > 1)}) on "
            f"{a['off']['device'] or 'an unnamed device'}", "",
            "| server | runs | ITL p50 / p99 ms | TTFT p50 / p99 ms | goodput req/s | attn-otel step p50 / p90 / p99 ms "
            "| host s before + after the launch | finish batches | side-stream waits | captured, dropped |",
@@ -178,7 +200,8 @@ def markdown(a: dict) -> str:
            f"{o['ttft_p50_s'] * 1e3:.0f} / {o['ttft_p99_s'] * 1e3:.0f} | {o['goodput_req_s']:.1f} | | | | | |"]
     for r in a["servers"]:
         m, x, st = r["median"], r["ratio"], r["step_ms"]
-        capture = ("| | | | | |" if r["config"] == OFF_VS_OFF else  # capture off: nothing of attn-otel's to show
+        capture = ("| | | | | |" if r["config"] == OFF_VS_OFF or r["captured"] is None else  # capture off: nothing
+                   # of attn-otel's to show
                    f"| {st['p50']:.2f} / {st['p90']:.1f} / {st['p99']:.1f} | "
                    f"{r['host_before_s']:.2f} + {r['host_after_s']:.2f} | {r['finish_batches']} | "
                    f"{r['side_stream_waits']} | {r['captured']}, {r['dropped']} |")
@@ -223,10 +246,11 @@ def plot(a: dict, png: Path, title: str) -> None:
     for ax, key, label in zip(axes, ("itl_p99_s", "ttft_p99_s"), ("ITL p99", "TTFT p99")):
         _draw(ax, a, key, list(a["configs"]), legend=True)
         ax.set_title(label, fontsize=9)
-    axes[0].set_ylabel("ratio to capture off")
+    ref = a["off"].get("label", "capture off")
+    axes[0].set_ylabel(f"ratio to {ref}")
     axes[0].legend(loc="upper right", fontsize=7)
-    fig.suptitle(f"{title}\ndots: each run against capture off's run of the same seed (a colour a server); "
-                 "bar: the configuration's pooled median against off's", fontsize=8)
+    fig.suptitle(f"{title}\ndots: each run against {ref}'s run of the same seed (a colour a server); "
+                 f"bar: the configuration's pooled median against {ref}'s", fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -267,15 +291,18 @@ def main(argv=None) -> int:
     ap.add_argument("--md", type=Path, help="write the tables here (else stdout)")
     ap.add_argument("--png", type=Path, help="write the per-run plot here")
     ap.add_argument("--json", type=Path, help="write the analysis here")
+    ap.add_argument("--reference", help="a configuration (old, new, ...) whose servers every ratio is to, instead of "
+                                        "capture off")
     args = ap.parse_args(argv)
     try:
         if args.collection:
             if not args.key:
                 ap.error("--collection needs --key")
-            calls = [(k, analyse(*from_collection(args.collection, k))) for k in args.key.split(",")]
+            calls = [(k, analyse(*from_collection(args.collection, k, args.reference), args.reference))
+                     for k in args.key.split(",")]
             title = f"{args.collection.name} {args.key}"
         else:
-            calls = [(str(args.dir), analyse(*from_dir(args.dir)))]
+            calls = [(str(args.dir), analyse(*from_dir(args.dir, args.reference), args.reference))]
             title = str(args.dir)
     except (ReportError, OSError, json.JSONDecodeError) as e:
         print(f"online_report: {e}", file=sys.stderr)

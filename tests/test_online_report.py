@@ -172,3 +172,26 @@ def test_several_calls_make_one_table_each_and_one_plot(tmp_path):
         assert f"| new | 1, {a['configs']['new']['runs']} | x{x['itl_p50_s']:.3f} / x{x['itl_p99_s']:.3f} |" in section
     assert "| off vs off | 2, 8 |" in text.split("## 32b")[0]  # 32a: two capture-off servers
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_a_configuration_can_be_the_reference_instead_of_capture_off(tmp_path):
+    """``--reference old``: run 37b (no capture-off server) and 37a (one) against the old code's server, every
+    ratio paired by seed as against off (checked with NumPy on the raw runs); capture off is then a row like any
+    other; a configuration the call does not have is refused by name."""
+    col = ROOT / "docs" / "benchmarks" / "online-ab-2026-11-28.json"
+    doc = json.loads(col.read_text())
+    for key, new in (("37b", "new-2"), ("37a", "new-1")):
+        a = online_report.analyse(*online_report.from_collection(col, key, "old"), "old")
+        old = [n for n in doc[key]["order"] if n.startswith("old")][0]
+        o, n = doc[key]["phases"][old]["runs"], doc[key]["phases"][new]["runs"]
+        for k in ("itl_p99_s", "ttft_p99_s"):
+            want = float(np.median([x[k] / y[k] for x, y in zip(n, o)]))
+            assert a["configs"]["new"]["paired_ratio"][k] == pytest.approx(want, rel=1e-12)
+        assert a["off"]["label"] == "old" and ("off" in a["configs"]) == (key == "37a")
+    md = tmp_path / "t.md"
+    subprocess.run([sys.executable, str(BENCH), "--collection", str(col), "--key", "37b", "--reference", "old", "--md",
+                    str(md)], check=True, capture_output=True, text=True, timeout=300)
+    assert md.read_text().startswith("old: 4 runs (1 server)") and "| new | 1, 4 |" in md.read_text()
+    p = subprocess.run([sys.executable, str(BENCH), "--collection", str(col), "--key", "37b", "--reference", "gone"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "no server of configuration 'gone' (it has old, new)" in p.stderr, p.stderr
