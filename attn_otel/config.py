@@ -164,8 +164,8 @@ block (a sixteenth), the kernel finding each position's slot itself; a flush's h
 x0.39 on an H200 (``bench/flush_host.py``), the same kernel time, but in two online A/Bs on H200s (2026-11-28,
 docs/benchmarks/overhead.md, run 37) its servers' TTFT p50 was x1.23-x1.31 the slots' (above in 7 of 8 runs
 paired by seed) and their ITL and TTFT p99 x1.08-x1.47, so it is not the default until a call that A/Bs the two
-on one machine says otherwise.  A flush of a model
-with images gives slots either way (its vision mask is per key)."""
+on one machine says otherwise.  A flush of a model with images gives slots either way (its vision mask is per
+key)."""
 
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """Whether the request's token ids are stored with its capture (``attn-otel show`` then labels axes with

@@ -84,8 +84,7 @@ class DirectRows:
         block_lists = [lv.tracked.block_ids[st.group] for lv in lives]
         counts, first_l = cnt.tolist(), firsts.tolist()
         prompt, vm_parts, vc_parts = _prompt_and_vision([lv.tracked for lv in lives], ends, first_l, counts)
-        if st.kernels.fused and st.flush_keys == "blocks" and vm_parts is None:
-            # the kernel reads the chunks' blocks (ATTN_OTEL_FLUSH_KEYS), the table marks their rows' slots
+        if _paged(st, vm_parts):  # the kernel reads the chunks' blocks, the table marks their rows' slots
             blocks, cu_b = blocks_many(block_lists)
             row_slots = np.concatenate([slots_of(bl, st.block_size, p, c)
                                         for bl, p, c in zip(block_lists, first_l, counts)])
@@ -193,6 +192,12 @@ class DirectRows:
             live.count += c
         st._head += n
         st._oldest = plan.head if st._oldest is None else min(st._oldest, plan.head)
+
+
+def _paged(st, vm_parts) -> int:
+    """Where a flush kernel launch of stream ``st`` gives each request's block ids (ATTN_OTEL_FLUSH_KEYS=blocks,
+    the Triton kernel, no vision mask: that is per key), the block size they are of; else 0: key slots."""
+    return st.block_size if st.kernels.fused and st.flush_keys == "blocks" and vm_parts is None else 0
 
 
 def _row_slots(key_slots: np.ndarray, cu_keys: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -260,12 +260,11 @@ class BatchedMetrics:
                 off += t.shape[0]
         event = self.timer.stop(started)
         loop = time.perf_counter() - t0
-        at = {id(spec): li for li, spec in enumerate(layers)}
         for i, (plan, rec) in enumerate(zip(batch, records)):
-            # (by identity: a plan's layers are these specs; comparing the dataclasses field by field cost a
-            # finish batch more than its summaries' launches)
-            keep = (sorted(at[id(s)] for s in plan.layers) if all(id(s) in at for s in plan.layers)
-                    else [li for li, spec in enumerate(layers) if spec in plan.layers])
+            # by layer index, as the planner picked them (comparing LayerSpecs field by field cost a finish batch
+            # more than its summaries' launches)
+            wanted = {s.index for s in plan.layers}
+            keep = [li for li, spec in enumerate(layers) if spec.index in wanted]
             if host is not None:
                 per_row = host[:, :, :, cu[i]:cu[i + 1]].permute(1, 0, 2, 3)  # a view: read after ``event``
                 job = Job(rec, per_row, None, event, plan.nbytes, plan.t0, tok_host.get(i),

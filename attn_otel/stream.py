@@ -44,7 +44,7 @@ import torch
 
 from . import triton_metrics
 from .attention import KERNEL_METRICS, METRICS, attention_metrics, metric_width
-from .direct import DirectRows, _prompt_and_vision, _row_slots
+from .direct import DirectRows, _paged, _prompt_and_vision, _row_slots
 from .slots import blocks_many, slots_many, upload, upload_many
 from .spill import SpillBlocks, spill_base
 from .timing import DeviceTimer
@@ -364,7 +364,7 @@ class MetricsStream:
 
     def warm_up(self) -> int:
         """Compile the flush kernel on the padding ring row (FlushKernels.warm_up); returns the launches."""
-        return self.kernels.warm_up(self.rows, self.block_size if self.flush_keys == "blocks" else 0)
+        return self.kernels.warm_up(self.rows, _paged(self, None))
 
     @property
     def device_s(self) -> float:
@@ -521,7 +521,7 @@ class MetricsStream:
             # every key position's slot, in one vectorised pass, or (ATTN_OTEL_FLUSH_KEYS=blocks) each request's
             # blocks, the kernel finding its keys' slots, and its pending rows' (their last ``count`` positions),
             # whose ring rows are in the table the forwards wrote; a vision mask is per key: slots with one
-            paged = self.block_size if self.flush_keys == "blocks" and vm_parts is None else 0
+            paged = _paged(self, vm_parts)
             keys, cu_k = blocks_many(block_lists) if paged else slots_many(block_lists, self.block_size, ends_np)
             self.side.begin()  # after the forwards that wrote the rows
             with self.side.context():
@@ -577,17 +577,16 @@ def full_rows(kept: torch.Tensor, full_at: torch.Tensor, width: int, positions: 
               window: torch.Tensor | None, chunk: torch.Tensor | None) -> torch.Tensor:
     """``kept [L, n, len(slot_rows), H]`` (entropy first) as ``[L, n, width, H]`` rows in METRICS order: each
     kept row at ``full_at``, ``entropy_norm`` derived from the entropy and the rows' ``positions`` under each
-    layer's ``window`` and ``chunk`` (``[L]``, 0: none; None for both where no layer has either: the finish
-    batch's path for most models, four kernels fewer), the rest NaN."""
+    layer's ``window`` and ``chunk`` (``[L]``, 0: none; both None where no layer has either: the finish batch's
+    path for most models, four kernels fewer), the rest NaN."""
     L, n, _, H = kept.shape
     out = torch.full((L, n, width, H), float("nan"), dtype=kept.dtype, device=kept.device)
     out.index_copy_(2, full_at, kept)
     pos = positions.to(device=kept.device, dtype=torch.int64).view(1, -1)
-    if window is None and chunk is None:
+    if window is None:
         n_vis = (pos + 1).float().expand(L, n)  # [L, n]: the keys each row sees
     else:
-        w = (window if window is not None else torch.zeros_like(chunk)).view(-1, 1)
-        c = (chunk if chunk is not None else torch.zeros_like(window)).view(-1, 1)
+        w, c = window.view(-1, 1), chunk.view(-1, 1)
         lo = torch.where(w > 0, (pos - w + 1).clamp_min(0), torch.zeros_like(pos))
         lo = torch.where(c > 0, torch.maximum(lo, pos // c.clamp_min(1) * c), lo)
         n_vis = (pos + 1 - lo).float()  # [L, n]: the keys each row sees
