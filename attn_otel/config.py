@@ -167,6 +167,16 @@ paired by seed) and their ITL and TTFT p99 x1.08-x1.47, so it is not the default
 on one machine says otherwise.  A flush of a model with images gives slots either way (its vision mask is per
 key)."""
 
+ATTN_OTEL_ENGINE_PRIORITY = "ATTN_OTEL_ENGINE_PRIORITY"
+"""The CUDA stream priority of vLLM's own stream (the forwards, their CUDA graphs, the sampler) against
+attn-otel's capture work (the flushes and finish kernels on its side stream, at the default priority, the
+lowest).  ``high`` (default): each GPU worker's stream is made at a higher priority before vLLM first asks for
+it (as the worker sets up its device, before NCCL), so that where a forward's kernels and a flush's are both
+waiting for the GPU's SMs, the forward's go first and capture work fills what is left.  The same kernels run in
+the same order on each stream: the model's outputs do not change.  ``vllm``: vLLM's own stream at the default
+priority, the same as the side stream's, as up to 2026-11-28.  Where vLLM already has its stream when the
+worker sets up (another plugin asked for it), it is left as it is and the log says so."""
+
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """Whether the request's token ids are stored with its capture (``attn-otel show`` then labels axes with
 them).  Token ids are content: by default (unset) they are stored only where OpenTelemetry's GenAI
@@ -338,6 +348,7 @@ class Config:
     kv_write: str = "fused"
     launch: str = "bound"
     flush_keys: str = "slots"
+    engine_priority: str = "high"
     view_url: str | None = None
 
     @classmethod
@@ -382,6 +393,7 @@ class Config:
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)
         values["launch"] = _choice(env, ATTN_OTEL_LAUNCH, ("bound", "jit"), d.launch)
         values["flush_keys"] = _choice(env, ATTN_OTEL_FLUSH_KEYS, ("slots", "blocks"), d.flush_keys)
+        values["engine_priority"] = _choice(env, ATTN_OTEL_ENGINE_PRIORITY, ("high", "vllm"), d.engine_priority)
         values["view_url"] = _view_url(env.get(ATTN_OTEL_VIEW_URL))
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]

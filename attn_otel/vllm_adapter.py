@@ -88,7 +88,17 @@ def _patch() -> None:
         # Imported only on CPU: the CPU runner's module replaces torch.cuda.Event process-wide.
         from vllm.v1.worker.cpu_worker import CPUWorker as worker_cls
     else:
+        from vllm.v1.worker import gpu_worker
         from vllm.v1.worker.gpu_worker import Worker as worker_cls
+
+        from .config import Config
+
+        if Config.from_env().engine_priority == "high":  # before the worker makes its stream (engine_stream.py)
+            from vllm.utils import torch_utils
+
+            from . import engine_stream
+
+            engine_stream.install(gpu_worker, torch_utils)
     for cls in worker_cls.__mro__:
         if "determine_available_memory" in vars(cls):
             _wrap(cls, "determine_available_memory", _scale_available_memory)

@@ -52,10 +52,11 @@ def test_every_variable_is_read():
         "ATTN_OTEL_KV_WRITE": " VLLM",
         "ATTN_OTEL_LAUNCH": "JIT",
         "ATTN_OTEL_FLUSH_KEYS": "Blocks",
+        "ATTN_OTEL_ENGINE_PRIORITY": "vllm ",
     })
     assert config == Config(store="s3://bucket/prefix", layers=(0, 8, 16), maps_sample=0.5, max_map_tokens=4096,
                             queue_bytes=1000, store_tokens=False, sink_tokens=2, writers=3, kv_write="vllm",
-                            launch="jit", flush_keys="blocks")
+                            launch="jit", flush_keys="blocks", engine_priority="vllm")
 
 
 @pytest.mark.parametrize("raw, url", [
@@ -153,6 +154,7 @@ def test_blank_store_falls_back_to_the_default():
     ("ATTN_OTEL_KV_WRITE", "both", "kv_write"),
     ("ATTN_OTEL_LAUNCH", "cached", "launch"),
     ("ATTN_OTEL_FLUSH_KEYS", "pages", "flush_keys"),
+    ("ATTN_OTEL_ENGINE_PRIORITY", "highest", "engine_priority"),
     ("ATTN_OTEL_AFTER_LAUNCH", "later", "after_launch_at"),
     ("ATTN_OTEL_HOLD_FINISHED", "yes", "hold_finished"),
     ("ATTN_OTEL_STREAM_DIRECT", "yes", "stream_direct"),

@@ -204,3 +204,19 @@ def test_gpu_map_tap_maps_match_hf_eager(stream_engine, gpu_model):  # noqa: F81
         with open(os.path.join(os.environ["OUT"], "gpu_map_tap.json"), "w") as f:
             json.dump(results, f, indent=1)
     cal.check("GPU map tap, layer 0 maps")
+
+
+def test_gpu_engine_stream_runs_above_capture_work(stream_engine):
+    """ATTN_OTEL_ENGINE_PRIORITY=high (the default): the stream vLLM's forwards run on (and its CUDA graphs
+    replay into) is the one attn-otel made as the worker set up, at a higher CUDA priority than the side stream
+    its flushes and finish kernels run on; the metrics tests above ran under it."""
+    from vllm.utils.torch_utils import current_stream
+
+    from attn_otel import engine_stream, vllm_adapter
+
+    (engine,) = vllm_adapter.engines()
+    st = engine_stream.state()
+    assert st == {"priority": engine_stream.PRIORITY, "raised": True}
+    vllm_stream = current_stream()  # this process's engine thread: the in-process engine ran here
+    assert vllm_stream.priority == engine_stream.PRIORITY
+    assert engine.side.stream.priority == 0 > vllm_stream.priority  # lower number, higher priority
