@@ -170,12 +170,14 @@ key)."""
 ATTN_OTEL_ENGINE_PRIORITY = "ATTN_OTEL_ENGINE_PRIORITY"
 """The CUDA stream priority of vLLM's own stream (the forwards, their CUDA graphs, the sampler) against
 attn-otel's capture work (the flushes and finish kernels on its side stream, at the default priority, the
-lowest).  ``high`` (default): each GPU worker's stream is made at a higher priority before vLLM first asks for
-it (as the worker sets up its device, before NCCL), so that where a forward's kernels and a flush's are both
-waiting for the GPU's SMs, the forward's go first and capture work fills what is left.  The same kernels run in
-the same order on each stream: the model's outputs do not change.  ``vllm``: vLLM's own stream at the default
-priority, the same as the side stream's, as up to 2026-11-28.  Where vLLM already has its stream when the
-worker sets up (another plugin asked for it), it is left as it is and the log says so."""
+lowest).  ``vllm`` (default): vLLM's stream as vLLM makes it, at that same priority.  ``high``: each GPU worker's
+stream is made at a higher priority before vLLM first asks for it (as the worker sets up its device, before
+NCCL), so that where a forward's kernels and a flush's both wait for the GPU's SMs, the forward's go first.  The
+same kernels run in the same order either way: the model's outputs do not change.  On an H200 (2026-11-28,
+docs/benchmarks/overhead.md, run 38) ``high`` left the online latency where it was (ITL p50 x1.19 of capture
+off against x1.18, TTFT p50 x1.21 against x1.19, the p99s within one server's noise), so contention for SMs
+between the forwards and capture work is not what the online cost is made of, and the default stays vLLM's.
+Where vLLM already has its stream when the worker sets up, ``high`` leaves it as it is and the log says so."""
 
 ATTN_OTEL_STORE_TOKENS = "ATTN_OTEL_STORE_TOKENS"
 """Whether the request's token ids are stored with its capture (``attn-otel show`` then labels axes with
@@ -348,7 +350,7 @@ class Config:
     kv_write: str = "fused"
     launch: str = "bound"
     flush_keys: str = "slots"
-    engine_priority: str = "high"
+    engine_priority: str = "vllm"
     view_url: str | None = None
 
     @classmethod

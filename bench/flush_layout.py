@@ -1,5 +1,5 @@
 """The stream's flush as the engine launches it, its keys given by slot (one entry a key position, as up to
-2026-11-28) against by block (one entry a block: ``paged``, the default since), on the device (no vLLM
+2026-11-28) against by block (one entry a block: ``paged``, ATTN_OTEL_FLUSH_KEYS=blocks), on the device (no vLLM
 needed): a Llama-3-8B-shaped stream (bench/flush_host.py's: 4 streamed layers in one launch, 32 query heads,
 8 KV heads, head_dim 128, block size 16) with ``--live`` requests of lognormal lengths in flight, their rows
 pending as at a half-ring flush (``--rows`` rows each) and at a finish (1 row).  Each figure is the median over

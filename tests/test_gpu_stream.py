@@ -36,7 +36,8 @@ def stream_engine(gpu_model, tmp_path_factory):  # noqa: F811
     os.environ.update({"ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(store), "ATTN_OTEL_LAYERS": "all",
                        "ATTN_OTEL_MAP_LAYERS": "0", "ATTN_OTEL_STREAM_ROWS": "256", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_ROW_METRICS": os.environ.get("ATTN_OTEL_GPU_ROWS", "maps"),
-                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+                       "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "ATTN_OTEL_ENGINE_PRIORITY": "high"})  # (the metrics below must hold under it too)
     os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")  # (auto would leave this small model's ring alone)
     from preemptions import count_preemptions
     from vllm import LLM
@@ -207,7 +208,7 @@ def test_gpu_map_tap_maps_match_hf_eager(stream_engine, gpu_model):  # noqa: F81
 
 
 def test_gpu_engine_stream_runs_above_capture_work(stream_engine):
-    """ATTN_OTEL_ENGINE_PRIORITY=high (the default): the stream vLLM's forwards run on (and its CUDA graphs
+    """ATTN_OTEL_ENGINE_PRIORITY=high (set by the fixture): the stream vLLM's forwards run on (and its CUDA graphs
     replay into) is the one attn-otel made as the worker set up, at a higher CUDA priority than the side stream
     its flushes and finish kernels run on; the metrics tests above ran under it."""
     from vllm.utils.torch_utils import current_stream
