@@ -97,6 +97,11 @@ ab)
   [ -n "${CAPACITY:-}" ] || cap=$(measured) || exit 1
   source /tmp/gpu-env.sh
   run=$2; shift 2
+  # A fresh machine (no vLLM compile cache yet: the machine was given back since the last call) compiles for
+  # ~220 s before its first server serves; session 53 lost a server to the usual time limit so. That server gets
+  # the compile's time on top (SERVER_TIMEOUT_S sets every server's limit instead).
+  compile=0; [ -d "${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/torch_compile_cache" ] || {
+    compile=240; echo "ab: no vLLM compile cache on this machine (a fresh one): the first server may take ${compile} s more"; }
   for spec in "$@"; do  # new, old, or either with one attn-otel variable for its server: new@ATTN_OTEL_AFTER_LAUNCH=0
     # (overhead.py --env: the phase clears every other ATTN_OTEL variable, so a plain environment one is lost)
     d=${spec%%@*}; var=""; [ "$spec" != "$d" ] && var=${spec#*@}
@@ -105,16 +110,17 @@ ab)
     mkdir -p "$dir" "$OUT/ab"
     # capture off ("off": one more reference server, online-off-N.json) or attn-otel's default of new or old
     if [ "$d" = off ]; then phase=off; keep=$OUT/ab/online-off-$run.json
-    else phase=default; keep=$OUT/ab/online-default-$name-$run.json; cp /tmp/ab/off/online-off.json "$dir/"; fi
+    else phase=default; keep=$OUT/ab/online-default-$name-$run.json; cp /tmp/ab/off/online-off.json "$dir/" 2>/dev/null; fi
     if [ -e "$keep" ]; then  # session 46 lost a server this way (both new-1)
       echo "$name: already served in call $run (a configuration once a call: give the next its own call number)"
       continue
     fi
     pp=""; [ "$d" = old ] && pp="/tmp/old:"
-    PYTHONPATH=$pp${PYTHONPATH:-} timeout $((225 + 20 * reps)) python3 bench/overhead.py \
+    PYTHONPATH=$pp${PYTHONPATH:-} timeout ${SERVER_TIMEOUT_S:-$((225 + 20 * reps + compile))} python3 bench/overhead.py \
       --online "$phase" ${var:+--env "$var"} --capacity "$cap" --repeats "$reps" --out "$dir" \
       > "$dir.log" 2>&1
     echo "$name rc $?"; grep -E "^\[online|Error" "$dir.log" | tail -5
+    compile=0
     cp "$dir/online-$phase.json" "$keep"
     [ "$phase" = off ] && continue
     python3 - "$dir/online-default.json" <<'PY'

@@ -77,3 +77,42 @@ def test_online_ab_needs_a_capacity_before_a_capturing_server(tmp_path):
     r = subprocess.run(["bash", script, "ab", "1", "new"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                        env=env)
     assert r.returncode != 0 and "no capacity measured on this machine yet" in r.stderr, (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_online_ab_gives_a_fresh_machines_first_server_the_compile_time(tmp_path, cached):
+    """bench/online_ab.sh ab on a machine with no vLLM compile cache (a fresh one, after the last was given back):
+    its first server's time limit has the ~220 s compile on top, the servers after it the usual limit (225 s +
+    20 s a run); with a cache, every server the usual one.  The limit is read off the ``timeout`` the script calls
+    (a stand-in on PATH that notes its first argument), so no server starts."""
+    import shutil
+    import os
+    import subprocess
+
+    script = str(Path(__file__).resolve().parent.parent / "bench" / "online_ab.sh")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    limits_file = tmp_path / "limits"
+    (bin_ / "timeout").write_text(f'#!/bin/sh\necho "$1" >> {limits_file}\n')
+    (bin_ / "timeout").chmod(0o755)
+    home = tmp_path / "home"
+    if cached:
+        (home / ".cache" / "vllm" / "torch_compile_cache").mkdir(parents=True)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("VLLM_CACHE_ROOT", "SERVER_TIMEOUT_S")},
+           "PATH": f"{bin_}:{os.environ['PATH']}", "HOME": str(home), "CAPACITY": "40", "REPEATS": "3",
+           "OUT": str(tmp_path / "out")}
+    run = "9917"  # the script's scratch is /tmp/ab/NAME-RUN: a call number no real call uses, removed after
+    try:
+        r = subprocess.run(["bash", script, "ab", run, "new", "new@ATTN_OTEL_LAUNCH=jit"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        for name in ("new", "new-ATTN_OTEL_LAUNCH_jit"):
+            shutil.rmtree(f"/tmp/ab/{name}-{run}", ignore_errors=True)
+            Path(f"/tmp/ab/{name}-{run}.log").unlink(missing_ok=True)
+        try:
+            Path("/tmp/ab").rmdir()  # if this test made it
+        except OSError:
+            pass
+    limits = [int(x) for x in limits_file.read_text().split()]
+    assert limits == ([285, 285] if cached else [525, 285]), (r.stdout, r.stderr)
+    assert ("no vLLM compile cache" in r.stdout) is not cached
