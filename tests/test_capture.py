@@ -20,9 +20,22 @@ from attn_otel.ids import new_span_id, new_trace_id
 SPEC = LayerSpec(index=0, name="l0", num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
 
 
+_MADE: list = []  # this test's engines (_engine), closed after it
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    """Every engine a test makes is closed when the test ends, so that its writer processes (one each, about
+    60 MB) stop with it instead of living on, idle, to the end of the session."""
+    yield
+    while _MADE:
+        _MADE.pop().close()
+
+
 def _engine(tmp_path, store="store", **cfg):
     cfg.setdefault("row_metrics", "all")
     eng = CaptureEngine(Config(store=str(tmp_path / store), **cfg), [SPEC], 256, torch.float32, "cpu")
+    _MADE.append(eng)
     eng.tap.write(0, torch.randn(200, 64), torch.randn(200, 32), torch.arange(200))
     return eng
 
@@ -98,6 +111,7 @@ def test_requests_longer_than_the_map_cap_get_metrics_only(tmp_path):
 def test_a_store_that_fails_is_counted_not_raised(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     eng = CaptureEngine(Config(store=str(tmp_path / "file")), [SPEC], 256, torch.float32, "cpu")
+    _MADE.append(eng)
     eng.on_finished(_req(20, "metrics"))
     assert eng.flush(30)
     assert eng.stats.snapshot()["dropped"] == {"store_error": 1}
