@@ -157,15 +157,15 @@ Triton's per-call binding and cache lookup (on an H100 about 10 us of the engine
 against 28, ``bench/launch_cost.py``).  ``jit``: Triton's JIT call every time, as up to 2026-11-28."""
 
 ATTN_OTEL_FLUSH_KEYS = "ATTN_OTEL_FLUSH_KEYS"
-"""How a flush of the streamed layers' pending rows gives the metric kernel each request's keys.  ``slots``
-(default): every key position's KV-cache slot, built on the engine loop from the request's blocks and
-uploaded (about 93,000 for 100 live requests of 900 tokens).  ``blocks``: the request's block ids only, one a
-block (a sixteenth), the kernel finding each position's slot itself; a flush's host time on the engine loop
-x0.39 on an H200 (``bench/flush_host.py``), the same kernel time, but in two online A/Bs on H200s (2026-11-28,
-docs/benchmarks/overhead.md, run 37) its servers' TTFT p50 was x1.23-x1.31 the slots' (above in 7 of 8 runs
-paired by seed) and their ITL and TTFT p99 x1.08-x1.47, so it is not the default until a call that A/Bs the two
-on one machine says otherwise.  A flush of a model with images gives slots either way (its vision mask is per
-key)."""
+"""How a flush of the streamed layers' pending rows gives the metric kernel each request's keys.  ``blocks``
+(default since 2026-11-28): the request's block ids only, one a block (a sixteenth of the positions), the kernel
+finding each position's slot itself.  ``slots``: every key position's KV-cache slot, built on the engine loop
+from the request's blocks and uploaded (about 93,000 for 100 live requests of 900 tokens).  Measured on H200s
+(docs/benchmarks/overhead.md): a flush's launches alone x0.33-x0.37 of the slots' host time and x0.52-x0.64 of
+their device time (``bench/flush_layout.py``, run 38); online, the two A/B'd on one machine in both orders (run
+39, the same code, 2 servers each), the block-id servers' ITL p50 / p99 x0.93 / x0.87 and TTFT p50 / p99 x0.88 /
+x0.87 the slots' (run 37, which had put block ids behind, compared two commits across a change).  A flush of a
+model with images gives slots either way (its vision mask is per key); so does the CPU build (no Triton)."""
 
 ATTN_OTEL_ENGINE_PRIORITY = "ATTN_OTEL_ENGINE_PRIORITY"
 """The CUDA stream priority of vLLM's own stream (the forwards, their CUDA graphs, the sampler) against
@@ -349,7 +349,7 @@ class Config:
     hold_finished: bool = True
     kv_write: str = "fused"
     launch: str = "bound"
-    flush_keys: str = "slots"
+    flush_keys: str = "blocks"
     engine_priority: str = "vllm"
     view_url: str | None = None
 

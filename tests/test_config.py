@@ -51,12 +51,12 @@ def test_every_variable_is_read():
         "ATTN_OTEL_WRITERS": "3",
         "ATTN_OTEL_KV_WRITE": " VLLM",
         "ATTN_OTEL_LAUNCH": "JIT",
-        "ATTN_OTEL_FLUSH_KEYS": "Blocks",
+        "ATTN_OTEL_FLUSH_KEYS": "Slots",
         "ATTN_OTEL_ENGINE_PRIORITY": "HIGH ",
     })
     assert config == Config(store="s3://bucket/prefix", layers=(0, 8, 16), maps_sample=0.5, max_map_tokens=4096,
                             queue_bytes=1000, store_tokens=False, sink_tokens=2, writers=3, kv_write="vllm",
-                            launch="jit", flush_keys="blocks", engine_priority="high")
+                            launch="jit", flush_keys="slots", engine_priority="high")
 
 
 @pytest.mark.parametrize("raw, url", [
