@@ -58,7 +58,11 @@ def run(args: argparse.Namespace):
           file=sys.stderr, flush=True)
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, max_model_len=2048, seed=0)
+    # max_num_batched_tokens: vLLM's start-up runs a dummy batch of that many tokens (twice: the profile run and
+    # the compile's warm-up).  Its default, 4096, took about 110 s of a 2-core CPU machine's 130 s start
+    # (bf16 without AVX-512 BF16); the demo's prompts are a few dozen tokens, and longer ones are prefilled in
+    # chunks of this size.
+    llm = LLM(model=model, max_model_len=2048, max_num_batched_tokens=512, seed=0)
     tok = llm.get_tokenizer()
     params, traces = [], []
     for i, (mode, _, _) in enumerate(PROMPTS):
