@@ -58,7 +58,7 @@ def test_a_maps_request_behind_a_cached_prefix_recomputes_it_and_matches_hf_eage
 
 def test_sixteen_concurrent_requests_of_different_lengths(engine):
     traces = [new_trace_id() for _ in range(16)]
-    prompts = [prose(15 + 23 * i, seed=i) for i in range(16)]
+    prompts = [prose(15 + 11 * i, seed=i) for i in range(16)]
     params = [_params(t, max_tokens=4 + i % 5) for i, t in enumerate(traces)]
     outs = engine.generate(prompts, params)
     lengths = {len(o.prompt_token_ids) for o in outs}
