@@ -8,7 +8,8 @@ Two engines, each started once per session and only when a test asks for it (abo
   receiver; stats dir for Prometheus; a 2 MiB hand-off so that an outage fills it quickly.
 - ``disk_engine``: captures to a local folder on a 256 MiB tmpfs mounted for the session (needs root;
   without it the folder is an ordinary one and the full-disk test is skipped); ``ATTN_OTEL_STORE_TOKENS=0``,
-  ``ATTN_OTEL_MAX_MAP_TOKENS=64``, 16 MiB host and 16 MiB device hand-offs.
+  ``ATTN_OTEL_MAX_MAP_TOKENS=64``, a map tap of ``MAP_TAP_TOKENS`` (every request of test_load's 200 keeps
+  its queries: the load reaches the hand-offs, not the tap's bound), 16 MiB host and 16 MiB device hand-offs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ S3_QUEUE_BYTES = 2 << 20
 DISK_QUEUE_BYTES = 16 << 20
 DISK_DEVICE_QUEUE_BYTES = 16 << 20
 MAX_MAP_TOKENS = 64
+MAP_TAP_TOKENS = 2 * 200 * MAX_MAP_TOKENS  # twice what 200 requests of 64 tokens hold at once: rows come back at finish batches
 S3_TIMEOUT_S = 2
 
 
@@ -155,6 +157,7 @@ def disk_engine(smollm2_path, tmp_path_factory):
     store = mount / "store"
     env = _engine_env({"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STORE_TOKENS": "0",
                        "ATTN_OTEL_MAX_MAP_TOKENS": str(MAX_MAP_TOKENS),
+                       "ATTN_OTEL_MAP_TAP_TOKENS": str(MAP_TAP_TOKENS),
                        "ATTN_OTEL_QUEUE_BYTES": str(DISK_QUEUE_BYTES),
                        "ATTN_OTEL_DEVICE_QUEUE_BYTES": str(DISK_DEVICE_QUEUE_BYTES)})
     try:  # the tmpfs is unmounted also when the engine does not start (it stayed mounted under /tmp before)

@@ -72,8 +72,11 @@ def test_200_concurrent_map_requests_stay_in_the_memory_bound_and_none_is_lost(d
         else:
             metrics_only += 1
             assert cap.meta.get("metrics") or cap.meta.get("summary_metrics")  # rows or their summary
-    # maps skipped for memory: the host hand-off's bound, or the map tap's rows (ATTN_OTEL_MAP_TAP_TOKENS)
-    assert metrics_only == d.get("skipped.maps_queue_full", 0) + d.get("skipped.map_rows_missing", 0)
+    # every request kept its queries (the tap holds MAP_TAP_TOKENS), so maps were skipped for the host
+    # hand-off's bound alone, and some made it through it: the load was on the hand-offs
+    assert d.get("skipped.map_rows_missing", 0) == 0, d
+    assert metrics_only == d.get("skipped.maps_queue_full", 0)
+    assert len(caps) - metrics_only > 0, d
     for cap in list(caps.values())[:: max(1, len(caps) // 5)]:  # a few read in full: rows sum to 1
         if cap.has_maps:
             rows = cap.maps(layers=[cap.layers[-1]])[0].sum(axis=-1)
