@@ -142,14 +142,9 @@ def test_a_small_kv_budget_keeps_windowed_layers_on_the_q_k_tap(served_runs):
 
 
 def bf16_attention(path: str, token_ids) -> np.ndarray:
-    """transformers' eager attention with the same weights in bf16: the drift a bf16 engine is allowed."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager").eval()
-    with torch.no_grad():
-        out = model(torch.tensor([list(token_ids)]), output_attentions=True)
-    return np.stack([a[0].float().numpy() for a in out.attentions])
+    """transformers' eager attention with the same weights in bf16, torch's own (the random-weight variants are
+    not covered by tests/test_reference.py's check of the fast yardstick): the drift a bf16 engine is allowed."""
+    return hf_attention(path, token_ids, dtype="bfloat16", exact_bf16=True)
 
 
 def stats(tv: np.ndarray) -> dict:

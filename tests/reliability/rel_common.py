@@ -8,7 +8,7 @@ Two engines, each started once per session and only when a test asks for it (abo
   receiver; stats dir for Prometheus; a 2 MiB hand-off so that an outage fills it quickly.
 - ``disk_engine``: captures to a local folder on a 256 MiB tmpfs mounted for the session (needs root;
   without it the folder is an ordinary one and the full-disk test is skipped); ``ATTN_OTEL_STORE_TOKENS=0``,
-  ``ATTN_OTEL_MAX_MAP_TOKENS=64``, a map tap of ``MAP_TAP_TOKENS`` (every request of test_load's 200 keeps
+  ``ATTN_OTEL_MAX_MAP_TOKENS=64``, a map tap of ``MAP_TAP_TOKENS`` (every request of test_load's ``LOAD_REQUESTS`` keeps
   its queries: the load reaches the hand-offs, not the tap's bound), 16 MiB host and 16 MiB device hand-offs.
 """
 
@@ -31,7 +31,9 @@ S3_QUEUE_BYTES = 2 << 20
 DISK_QUEUE_BYTES = 16 << 20
 DISK_DEVICE_QUEUE_BYTES = 16 << 20
 MAX_MAP_TOKENS = 64
-MAP_TAP_TOKENS = 2 * 200 * MAX_MAP_TOKENS  # twice what 200 requests of 64 tokens hold at once: rows come back at finish batches
+LOAD_REQUESTS = 200  # test_load's concurrent requests, all planned for maps
+# twice what LOAD_REQUESTS requests of MAX_MAP_TOKENS hold at once: rows come back only at finish batches
+MAP_TAP_TOKENS = 2 * LOAD_REQUESTS * MAX_MAP_TOKENS
 S3_TIMEOUT_S = 2
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from rel_common import DISK_DEVICE_QUEUE_BYTES, DISK_QUEUE_BYTES, assert_accounted, delta, traceparent
+from rel_common import (DISK_DEVICE_QUEUE_BYTES, DISK_QUEUE_BYTES, LOAD_REQUESTS, assert_accounted, delta,
+                        traceparent)
 from text import prose
 
 from attn_otel.ids import new_trace_id
 
 pytestmark = pytest.mark.engine
 
-N = 200
+N = LOAD_REQUESTS
 TOKENS = 16
 MiB = 1 << 20
 # What the engine process may grow by beyond the same load with capture off: the two hand-off bounds, plus
