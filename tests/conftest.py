@@ -281,21 +281,7 @@ def scraped_server(smollm2_path, tmp_path_factory):
 
 def pytest_collection_modifyitems(session, config, items):
     """Tests on the in-process engine run first.  When an engine starts, vLLM's CPU platform walks every
-    loaded module's globals (``vllm.triton_utils.dispatcher``) and trips over flask's context proxies, which
-    moto's server would bring into this process if it ran here (it runs in a process of its own: tests/s3.py);
-    so the session ``engine`` starts before anything else has been imported.  The slowest modules go next, longest first, so that the two test workers (run-tests.sh: pytest-xdist, a
-    module each at a time, in this order) do not end on one long module while the other idles."""
-    def key(item):
-        return (0 if "engine" in getattr(item, "fixturenames", ()) else 1,
-                -_MODULE_SECONDS.get(item.path.name, 0))
-
-    items.sort(key=key)
-
-
-# About how long each of the slowest modules takes on the 2-core CI machine (--durations, summed by module, CI
-# of 2026-11-28); only their order matters
-_MODULE_SECONDS = {"test_engine_spec.py": 180, "test_faults.py": 160, "test_engine_stream.py": 150,
-                   "test_engine_variants.py": 100, "test_engine_exact.py": 100, "test_otel_server.py": 85,
-                   "test_demo.py": 85, "test_parallel.py": 65, "test_engine_mla.py": 60, "test_grafana_live.py": 50,
-                   "test_load.py": 45, "test_store.py": 45, "test_gc.py": 38, "test_engine_selection.py": 32,
-                   "test_engine_server.py": 32, "test_s3.py": 30, "test_engine_hybrid.py": 28}
+    loaded module's globals (``vllm.triton_utils.dispatcher``) and trips over flask's context proxies,
+    which moto's S3 server brings into this process; so the session ``engine`` must exist before moto is
+    imported."""
+    items.sort(key=lambda item: 0 if "engine" in getattr(item, "fixturenames", ()) else 1)
