@@ -20,15 +20,14 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from checkouts import HERE, baseline, rounds
 
 from attn_otel.spill import spill_slots
 from attn_otel.stream import MetricsStream
@@ -176,21 +175,10 @@ def main() -> None:
 def compare(a) -> None:
     """This checkout against ``a.baseline``, ``a.rounds`` alternating rounds, each a subprocess; the report has
     every round, each part's median over the rounds per checkout, and their ratio (this / baseline)."""
-    here = str(Path(__file__).resolve().parent.parent)
-    if not (Path(a.baseline) / "attn_otel" / "stream.py").is_file():
-        raise SystemExit(f"--baseline {a.baseline}: no attn_otel package there (a checkout's root is wanted)")
-    checkouts = {"baseline": str(Path(a.baseline).resolve()), "this": here}
-    rounds: dict[str, list] = {k: [] for k in checkouts}
-    for r in range(a.rounds):
-        for name, path in checkouts.items():
-            print(f"round {r + 1}/{a.rounds}: {name} ...", file=sys.stderr, flush=True)
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, *filter(None, [os.environ.get("PYTHONPATH")])])}
-            out = subprocess.run([sys.executable, __file__, "--live", str(a.live), "--calls", str(a.calls),
-                                  "--rows", str(a.rows), "--device", a.device, "--flush-keys", a.flush_keys],
-                                 check=True, capture_output=True,
-                                 text=True, env=env).stdout
-            rounds[name].append(json.loads(out[:out.rindex("}") + 1]))
-    write_report(rounds, a.out)
+    checkouts = {"baseline": baseline(a.baseline, "stream.py", "a checkout's root is wanted"), "this": HERE}
+    got = rounds(__file__, ["--live", str(a.live), "--calls", str(a.calls), "--rows", str(a.rows), "--device",
+                            a.device, "--flush-keys", a.flush_keys], checkouts, a.rounds)
+    write_report(got, a.out)
 
 
 def write_report(rounds: dict[str, list], out: str | None) -> dict:

@@ -18,12 +18,14 @@ import argparse
 import collections
 import json
 import os
-import subprocess
-import sys
+import platform
+import shutil
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+from checkouts import HERE, baseline, revisions, rounds
 
 BS = 16
 PARTS = ("finished_rows", "captures", "schedule")
@@ -138,14 +140,14 @@ def measure(live: int, steps: int, device: str, seed: int = 0) -> dict:
         t0 = time.perf_counter()
         vllm_adapter._track(runner, engine, so, t0)
         t1 = time.perf_counter()
-        flushed = stream.flushes != f0 or bool(so.finished_req_ids)
+        busy = stream.flushes != f0 or bool(so.finished_req_ids)
         forward(sched)  # the forward's query writes (the ring's rows, its row counter moved on)
         t1b = time.perf_counter()
         vllm_adapter._run_after_launch(engine, "execute")
         t2 = time.perf_counter()
         if step >= warm:
             track.append(t1 - t0)
-            if not flushed:
+            if not busy:
                 quiet.append(t1 - t0)
                 for k in PARTS:
                     quiet_parts[k].append(engine.stats.step_parts[k] - p0.get(k, 0.0))
@@ -164,6 +166,7 @@ def measure(live: int, steps: int, device: str, seed: int = 0) -> dict:
     snap = {"captured": engine.stats.captured, "dropped": dict(engine.stats.dropped),
             "ring_drifts": stream.counter.drifts, "flushes": stream.flushes}
     engine.close()
+    shutil.rmtree(store, ignore_errors=True)
     us = np.asarray(track) * 1e6
     au = np.asarray(after) * 1e6
     parts = {k: round(v, 4) for k, v in engine.stats.step_parts.items()}
@@ -192,23 +195,10 @@ def main() -> None:
         got = measure(a.live, a.steps, a.device)
         print(json.dumps(got))
         return
-    here = str(Path(__file__).resolve().parent.parent)
-    checkouts = {"this": here, "baseline": str(Path(a.baseline).resolve())}
-    if not (Path(checkouts["baseline"]) / "attn_otel" / "__init__.py").is_file():
-        raise SystemExit(f"--baseline {a.baseline}: no attn_otel package there (give a checkout of attn-otel)")
-    got: dict[str, list] = {name: [] for name in checkouts}
-    for rnd in range(a.rounds):
-        for name, path in (checkouts.items() if rnd % 2 == 0 else reversed(checkouts.items())):
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, *filter(None, [os.environ.get("PYTHONPATH")])])}
-            print(f"round {rnd + 1}/{a.rounds}: {name} ...", file=sys.stderr, flush=True)
-            out = subprocess.run([sys.executable, __file__, "--measure", "--live", str(a.live), "--steps",
-                                  str(a.steps), "--device", a.device], check=True, capture_output=True, text=True,
-                                 env=env)
-            got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    import platform
-
-    revs = {name: subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip() for name, path in checkouts.items()}
+    checkouts = {"this": HERE, "baseline": baseline(a.baseline)}
+    got = rounds(__file__, ["--measure", "--live", str(a.live), "--steps", str(a.steps), "--device", a.device],
+                 checkouts, a.rounds, swap=True)
+    revs = revisions(checkouts)
     med = {name: {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in KEYS}
            for name, runs in got.items()}
     report = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs", "device": a.device, "live": a.live,

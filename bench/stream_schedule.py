@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
+import platform
 import time
 from pathlib import Path
+
+from checkouts import HERE, revisions, rounds
 
 PROMPT, BS, ROWS = 512, 16, 1 << 17
 
@@ -75,20 +76,10 @@ def main() -> None:
     if a.measure:
         print(json.dumps(measure(a.requests, a.steps, a.device)))
         return
-    here = str(Path(__file__).resolve().parent.parent)
-    checkouts = {"this": here, **({"baseline": str(Path(a.baseline).resolve())} if a.baseline else {})}
-    got: dict[str, list] = {name: [] for name in checkouts}
-    for rnd in range(a.rounds):
-        for name, path in checkouts.items():
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, *filter(None, [os.environ.get("PYTHONPATH")])])}
-            print(f"round {rnd + 1}/{a.rounds}: {name} ...", file=sys.stderr, flush=True)
-            out = subprocess.run([sys.executable, __file__, "--measure", "--requests", str(a.requests), "--steps",
-                                  str(a.steps), "--device", a.device], check=True, capture_output=True, text=True, env=env)
-            got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    import platform
-
-    revs = {name: subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip() for name, path in checkouts.items()}
+    checkouts = {"this": HERE, **({"baseline": str(Path(a.baseline).resolve())} if a.baseline else {})}
+    got = rounds(__file__, ["--measure", "--requests", str(a.requests), "--steps", str(a.steps), "--device",
+                            a.device], checkouts, a.rounds)
+    revs = revisions(checkouts)
     med = {name: sorted(r["us_p50"] for r in runs)[len(runs) // 2] for name, runs in got.items()}
     report = {"machine": f"{platform.machine()} {os.cpu_count()} CPUs", "device": a.device,
               "requests": a.requests, "steps": a.steps, "commits": revs, "rounds": got,
