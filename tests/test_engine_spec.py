@@ -1,5 +1,5 @@
 """Speculative decoding (ngram) on vLLM's CPU build with the real SmolLM2 model (tests/spec_serve.py, in a
-process of its own).
+process of its own, in float32 and without dynamo's trace: it says why).
 
 Draft tokens go through the model like any others: their queries and keys land in the taps at their slots,
 and a rejected draft's position is computed again on the next step (the stream flushes what is pending first,

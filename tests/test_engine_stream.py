@@ -1,5 +1,6 @@
-"""Streamed layers in the real vLLM engine (CPU build, SmolLM2): per-row metrics of all 30 layers, 26 of
-them streamed (computed while the requests run, their queries dropped), equal NumPy's on HF eager fp32.
+"""Streamed layers in the real vLLM engine (CPU build, SmolLM2 in float32: see ``_run``): per-row metrics of
+all 30 layers, 26 of them streamed (computed while the requests run, their queries dropped), equal NumPy's on HF
+eager fp32.
 
 The engine runs in its own process (``ATTN_OTEL_MAP_LAYERS`` is read when it starts, and the session's
 engine keeps maps of every layer).  Its settings make every path of attn_otel.stream run: chunked prefill
@@ -34,7 +35,8 @@ preempted = count_preemptions()
 
 model = sys.argv[1]
 llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
-          block_size=32, num_gpu_blocks_override=int(os.environ["BLOCKS"]) or None, seed=0)
+          block_size=32, num_gpu_blocks_override=int(os.environ["BLOCKS"]) or None, seed=0,
+          dtype="float32", compilation_config={"mode": 0, "custom_ops": ["none"]})  # see _run
 rng = np.random.default_rng(0)
 shared = rng.integers(100, 40000, 150).tolist()
 batches = [
@@ -79,6 +81,13 @@ json.dump({"reset": reset, "held_at_reset": held_at_reset, "hold": None if hold 
 
 
 def _run(smollm2_path, d: Path, blocks: int, extra: dict | None = None):
+    """One engine of SCRIPT in a process of its own, in float32 and with no dynamo trace (compilation mode 0,
+    with the traced build's custom ops).  What this module checks is which rows the stream computes, when, and
+    from which keys (ring fills, preemptions, reused blocks, held finishes); the dtype and the trace change none
+    of it.  In bf16 the CI machine's CPU (no AVX-512 BF16) spent 62% of each engine's requests in bf16 GEMMs
+    (py-spy) and the module took 156-162 s.  Streamed rows in bf16 are checked against HF by
+    tests/test_engine_variants.py (its models' every layer streamed) and on the GPU by tests/test_gpu_stream.py;
+    the dynamo trace by the session engine (tests/conftest.py)."""
     env = {**os.environ, "ATTN_OTEL": "1", "ATTN_OTEL_STORE": str(d / "store"), "ATTN_OTEL_LAYERS": "all",
            "ATTN_OTEL_AFTER_LAUNCH": "output", "ATTN_OTEL_STREAM_DIRECT": "1", "BLOCKS": str(blocks),
            "ATTN_OTEL_HOLD_FINISHED": "1",
