@@ -280,8 +280,8 @@ def scraped_server(smollm2_path, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests on the in-process engine run first.  When an engine starts, vLLM's CPU platform walks every
-    loaded module's globals (``vllm.triton_utils.dispatcher``) and trips over flask's context proxies,
-    which moto's S3 server brings into this process; so the session ``engine`` must exist before moto is
-    imported."""
+    """Tests on the in-process engine run first, so that it starts before the other modules' imports.  When an
+    engine starts, vLLM's CPU platform walks every loaded module's globals (``vllm.triton_utils.dispatcher``)
+    and tripped over flask's context proxies while moto's S3 server ran in this process.  It runs in a process
+    of its own now (tests/s3.py); the order stays, against the next module of that kind."""
     items.sort(key=lambda item: 0 if "engine" in getattr(item, "fixturenames", ()) else 1)

@@ -4,8 +4,11 @@ view of one bucket that the tests inspect with boto3 (not through attn_otel)."""
 from __future__ import annotations
 
 import itertools
-import logging
 import os
+import subprocess
+import sys
+import time
+import urllib.request
 
 # Sent with every request, and so a string that must never show up in a message or a log line.
 ACCESS_KEY = "AKIATESTATTNOTEL0001"
@@ -13,14 +16,28 @@ SECRET_KEY = "attn-otel-test-secret-must-never-be-logged"
 
 
 class MotoS3:
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
+    """moto's server in a process of its own (``python -m moto.server``): nothing of flask or moto is imported
+    into the test process, whose in-process vLLM engine must not meet flask's context proxies (see
+    ``pytest_collection_modifyitems`` in tests/conftest.py), whichever order the test workers take the modules in."""
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
+    def __init__(self, timeout: float = 60.0) -> None:
+        from vllm_server import free_port
+
+        port = free_port()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2):
+                    break
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self._proc.kill()
+                    raise RuntimeError(f"moto's server did not come up on port {port} "
+                                       f"(exit code {self._proc.poll()})") from None
+                time.sleep(0.1)
         self._names = itertools.count()
 
     def env(self, home: os.PathLike) -> dict[str, str]:
@@ -49,7 +66,12 @@ class MotoS3:
         return name
 
     def stop(self) -> None:
-        self._server.stop()
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
 
 class S3Backend:

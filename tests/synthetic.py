@@ -152,6 +152,45 @@ class CountingStore(WrapperStore):
         return await self._store.get_partial_values(prototype, key_ranges)
 
 
+class OpsStore(WrapperStore):
+    """Records every call a writer makes on the store, ``(method, key)`` in order: what reaches S3 as requests."""
+
+    def __init__(self, store, ops: list | None = None):
+        super().__init__(store)
+        self.ops = [] if ops is None else ops
+
+    def _with_store(self, store):
+        return type(self)(store, self.ops)
+
+    async def get(self, key, prototype, byte_range=None):
+        self.ops.append(("get", key))
+        return await self._store.get(key, prototype, byte_range)
+
+    async def exists(self, key):
+        self.ops.append(("exists", key))
+        return await self._store.exists(key)
+
+    async def set(self, key, value):
+        self.ops.append(("set", key))
+        return await self._store.set(key, value)
+
+    async def set_if_not_exists(self, key, value):
+        self.ops.append(("set_if_not_exists", key))
+        return await self._store.set_if_not_exists(key, value)
+
+    def list_dir(self, prefix):
+        self.ops.append(("list_dir", prefix))
+        return self._store.list_dir(prefix)
+
+    def list_prefix(self, prefix):
+        self.ops.append(("list_prefix", prefix))
+        return self._store.list_prefix(prefix)
+
+    async def delete(self, key):
+        self.ops.append(("delete", key))
+        return await self._store.delete(key)
+
+
 if __name__ == "__main__":
     # python synthetic.py STORE_URL TRACE_ID REQUEST_ID [LAYERS HEADS T]: a writer in a process of its own
     # (the kill -9 test, and a store written behind a long-lived reader's back).

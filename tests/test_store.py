@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import synthetic
-from synthetic import CountingStore, big_record, make_record, write
+from synthetic import CountingStore, OpsStore, big_record, make_record, write
 
 from attn_otel.ids import InvalidTraceId, new_trace_id
 from attn_otel.metrics import summarize, summary_to_array
 from attn_otel.reader import TraceNotFound, list_captures, open_trace
 from attn_otel.store import (FORMAT_VERSION, MARKER, ROWS_PER_CHUNK, StoreError, capture_prefix, list_trace_ids,
-                             open_zarr_store)
+                             open_zarr_store, write_capture)
 
 FP16_ATOL = 5e-4  # weights are in [0, 1]: float16 keeps 11 significant bits
 # Captures the format-2 store wrote (attn_otel.store at FORMAT_VERSION 2), kept to prove they stay readable:
@@ -212,6 +212,31 @@ class StoreContract:
         np.testing.assert_allclose(cap.attn[1, 1], expected[1, 1], atol=FP16_ATOL, rtol=0)
         assert [c.trace_id for c in list_captures(store)] == [record.trace_id]
         assert store.reads  # the reads went through the instance given
+
+    def test_a_capture_is_put_object_by_object_without_reading_the_store(self, backend):
+        """A writer's requests are its objects' puts, each once, the marker last: zarr's create calls look
+        before they write (on S3 a metrics capture cost 101 HEAD and 62 GET requests beside its 25 PUTs).  The
+        parents' group documents are created only where missing, and looked at once a process per store."""
+        store = OpsStore(open_zarr_store(backend.url))
+        first, _ = make_record(request_id="req-1")
+        write_capture(store, first)
+        looked = [op for op in store.ops if op[0] != "set"]
+        assert looked and all(op[0] == "set_if_not_exists" for op in looked), looked  # the parents, and only so
+        for maps in (True, False):  # the same trace, the same store: nothing but puts
+            store.ops.clear()
+            record, expected = make_record(first.trace_id, f"req-maps-{maps}", maps=maps, seed=3)
+            write_capture(store, record)
+            prefix = capture_prefix(record.trace_id, record.request_id)
+            assert {op for op, _ in store.ops} == {"set"}, store.ops
+            keys = [k for _, k in store.ops]
+            assert len(keys) == len(set(keys)) and keys[-1] == f"{prefix}/{MARKER}"  # each object once, marker last
+            assert sorted(backend.keys(prefix + "/")) == sorted(keys)
+            (cap,) = [c for c in open_trace(record.trace_id, backend.url) if c.request_id == record.request_id]
+            assert cap.has_maps == maps
+            if maps:
+                np.testing.assert_allclose(cap.attn[1, 1], expected[1, 1], atol=FP16_ATOL, rtol=0)
+            np.testing.assert_array_equal(cap.metrics["entropy"], record.metrics["entropy"])
+        assert len(open_trace(first.trace_id, backend.url)) == 3
 
     # --- chunking: a reader fetches one layer+head, or one band of query rows, and nothing else ----------
 
