@@ -313,6 +313,7 @@ async def _write_capture(store, record: CaptureRecord, rows: bool = True,
         meta["metrics"] = []
     if summary_stats is not None:
         meta["summary_metrics"] = sorted(n for n in record.metrics)
+    store = _bounded(store)
     staged = MemoryStore()
     group = await open_group(store=staged, path=prefix, mode="w", attributes={"attn_otel": meta})
     written = 0
@@ -368,6 +369,54 @@ async def _write_capture(store, record: CaptureRecord, rows: bool = True,
     return written, meta
 
 
+def _bounded(store):
+    """An S3 store whose every call ends within :func:`op_timeout_s`, else raises ``TimeoutError`` (a local store
+    as it is).  botocore's timeouts do not cover every wait: a PUT sent with ``Expect: 100-continue`` to an
+    endpoint that accepts connections and never answers waits for the ``100 Continue`` with no timeout at all
+    (aiohttp), and held the writer until its watchdog replaced it (ATTN_OTEL_WRITER_TIMEOUT_S, 84 s in
+    tests/reliability/test_faults.py's hung endpoint; the endpoint back, its dead connections still hung)."""
+    import asyncio
+
+    from zarr.storage import WrapperStore
+
+    if getattr(_unwrap(store), "fs", None) is None:
+        return store
+    limit = op_timeout_s()
+
+    async def within(what: str, key: str, call):
+        try:
+            return await asyncio.wait_for(call, limit)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"S3 {what} of {key!r} took over {limit:g} s (ATTN_OTEL_S3_TIMEOUT_S x "
+                               "attempts)") from None
+
+    class Bounded(WrapperStore):
+        def _with_store(self, inner):
+            return type(self)(inner)
+
+        async def get(self, key, prototype, byte_range=None):
+            return await within("get", key, self._store.get(key, prototype, byte_range))
+
+        async def exists(self, key):
+            return await within("exists", key, self._store.exists(key))
+
+        async def set(self, key, value):
+            return await within("put", key, self._store.set(key, value))
+
+        async def set_if_not_exists(self, key, value):
+            return await within("put", key, self._store.set_if_not_exists(key, value))
+
+    return Bounded(store)
+
+
+def op_timeout_s(env=None) -> float:
+    """How long one store call may take on S3: every attempt at the S3 timeout (ATTN_OTEL_S3_TIMEOUT_S, for the
+    connection and for each read), twice over, and botocore's backoff between them."""
+    from .config import S3_MAX_ATTEMPTS, s3_timeout_s
+
+    return S3_MAX_ATTEMPTS * 2 * s3_timeout_s(env) + 2.0 ** S3_MAX_ATTEMPTS
+
+
 _PUT_CONCURRENCY = 16  # a capture's objects put at once (about 25 for metrics, more with maps)
 _PARENTS_SEEN: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
 _PARENTS_SEEN_MAX = 4096  # (store, key) pairs remembered: the root, "traces" and recent traces' groups
@@ -384,7 +433,7 @@ async def _put_parents(store, staged, keys: list[str]) -> None:
     proto = default_buffer_prototype()
 
     async def one(key: str) -> None:
-        seen = (id(store), key)
+        seen = (id(_unwrap(store)), key)  # the same store under any wrapper (_bounded makes one a call)
         if seen in _PARENTS_SEEN:
             _PARENTS_SEEN.move_to_end(seen)
             return

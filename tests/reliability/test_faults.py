@@ -97,6 +97,13 @@ def test_s3_fault_keeps_serving_counts_drops_and_capture_resumes(s3_engine, s3_e
                 timeout=120)
         else:
             stats, first_error_s = served, 0.0
+        if fault == "blackhole":  # a hung call ends at the store's own bound (20 s here; measured 20.3 s from
+            # the batch's end), not at the writer's watchdog (12 x S3_TIMEOUT_S + 60 = 84 s; measured 84.2 s when
+            # a PUT's wait for "100 Continue" had no bound)
+            from attn_otel.store import op_timeout_s
+
+            bound = op_timeout_s({"ATTN_OTEL_S3_TIMEOUT_S": str(S3_TIMEOUT_S)})
+            assert first_error_s <= 2 * bound, (first_error_s, bound)
         d_down = delta(stats, before)
         assert d_down.get("dropped.queue_full", 0) + d_down.get("dropped.store_error", 0) > 0, d_down
     finally:
