@@ -564,6 +564,7 @@ async def _write_part(store, record: CaptureRecord, rows: bool, summary_stats: d
 
     part = record.part
     assert part is not None
+    store = _bounded(store)
     prefix = capture_prefix(record.trace_id, record.request_id)
     L, H, T = len(record.layers), int(record.num_heads), int(record.num_tokens)
     missing = [x for x in part.layers if x not in record.layers]
