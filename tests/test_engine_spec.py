@@ -27,8 +27,12 @@ HERE = Path(__file__).parent
 
 def _spec_serve(smollm2_path: str, tmp: Path, *method: str, timeout: int = 600) -> tuple[Path, dict]:
     store, out = tmp / "store", tmp / "out.json"
+    # none of the session engine's settings (tests/conftest.py leaves ATTN_OTEL_MAP_LAYERS=all and an 8,192-token
+    # map tap of every layer in os.environ while it lives): the serve is the same alone and in the suite.  In
+    # float32 that tap took the whole KV-cache space ("No available memory for the cache blocks")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTN_OTEL_")}
     proc = subprocess.run([sys.executable, str(HERE / "spec_serve.py"), smollm2_path, str(store), str(out), *method],
-                          cwd=str(tmp), capture_output=True, text=True, timeout=timeout)
+                          cwd=str(tmp), env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return store, json.loads(out.read_text())
 
