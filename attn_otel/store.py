@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import shutil
@@ -375,38 +376,46 @@ def _bounded(store):
     endpoint that accepts connections and never answers waits for the ``100 Continue`` with no timeout at all
     (aiohttp), and held the writer until its watchdog replaced it (ATTN_OTEL_WRITER_TIMEOUT_S, 84 s in
     tests/reliability/test_faults.py's hung endpoint; the endpoint back, its dead connections still hung)."""
+    if getattr(_unwrap(store), "fs", None) is None:
+        return store
+    return _bounded_class()(store, op_timeout_s())
+
+
+@functools.cache
+def _bounded_class():
+    """The store class of :func:`_bounded`, made once (zarr is imported on first use in this module)."""
     import asyncio
 
     from zarr.storage import WrapperStore
 
-    if getattr(_unwrap(store), "fs", None) is None:
-        return store
-    limit = op_timeout_s()
+    class _Bounded(WrapperStore):
+        def __init__(self, store, limit: float):
+            super().__init__(store)
+            self.limit = limit
 
-    async def within(what: str, key: str, call):
-        try:
-            return await asyncio.wait_for(call, limit)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"S3 {what} of {key!r} took over {limit:g} s (ATTN_OTEL_S3_TIMEOUT_S x "
-                               "attempts)") from None
-
-    class Bounded(WrapperStore):
         def _with_store(self, inner):
-            return type(self)(inner)
+            return type(self)(inner, self.limit)
+
+        async def _within(self, what: str, key: str, call):
+            try:
+                return await asyncio.wait_for(call, self.limit)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"S3 {what} of {key!r} took over {self.limit:g} s (ATTN_OTEL_S3_TIMEOUT_S x "
+                                   "attempts)") from None
 
         async def get(self, key, prototype, byte_range=None):
-            return await within("get", key, self._store.get(key, prototype, byte_range))
+            return await self._within("get", key, self._store.get(key, prototype, byte_range))
 
         async def exists(self, key):
-            return await within("exists", key, self._store.exists(key))
+            return await self._within("exists", key, self._store.exists(key))
 
         async def set(self, key, value):
-            return await within("put", key, self._store.set(key, value))
+            return await self._within("put", key, self._store.set(key, value))
 
         async def set_if_not_exists(self, key, value):
-            return await within("put", key, self._store.set_if_not_exists(key, value))
+            return await self._within("put", key, self._store.set_if_not_exists(key, value))
 
-    return Bounded(store)
+    return _Bounded
 
 
 def op_timeout_s(env=None) -> float:
@@ -418,7 +427,7 @@ def op_timeout_s(env=None) -> float:
 
 
 _PUT_CONCURRENCY = 16  # a capture's objects put at once (about 25 for metrics, more with maps)
-_PARENTS_SEEN: collections.OrderedDict[tuple[int, str], None] = collections.OrderedDict()
+_PARENTS_SEEN: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 _PARENTS_SEEN_MAX = 4096  # (store, key) pairs remembered: the root, "traces" and recent traces' groups
 
 
@@ -433,7 +442,9 @@ async def _put_parents(store, staged, keys: list[str]) -> None:
     proto = default_buffer_prototype()
 
     async def one(key: str) -> None:
-        seen = (id(_unwrap(store)), key)  # the same store under any wrapper (_bounded makes one a call)
+        # the store's location under any wrapper (_bounded makes one a call), not its id: a later store object
+        # at the same address, for another location, would skip its parents
+        seen = (str(_unwrap(store)), key)
         if seen in _PARENTS_SEEN:
             _PARENTS_SEEN.move_to_end(seen)
             return
