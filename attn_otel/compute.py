@@ -28,6 +28,7 @@ from .slots import slots_of, upload
 from .stats import Stats, WarnOnce
 from .store import CaptureRecord
 from .stream import MetricsStream, keys_at
+from .stream import gather as stream_gather
 from .tap import LayerSpec, MapTap, QKTap
 from .writer_proc import os_thread_name
 
@@ -130,7 +131,7 @@ class ComputeThread:
                 qk.append(None)
                 if streamed is None:
                     positions = torch.arange(plan.T, device=self.device)
-                    streamed = self.stream.gather(slots_by_group[spec.group], positions)  # [layers, T, 7 or 8, H]
+                    streamed = stream_gather(self.stream, slots_by_group[spec.group], positions)  # [layers, T, 7 or 8, H]
             else:
                 check = None
                 if plan.want_maps and self.maptap is not None and spec.index in self.maptap.checked:

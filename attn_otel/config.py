@@ -125,6 +125,13 @@ forward on their own (on an H100, run 31: attn-otel's host time on the engine lo
 against 3.9-4.1 s, ITL p50 x1.05 of capture off against x1.16).  ``0``: the flush and spill come before the
 next forward, as up to 2026-11-27.  Needs ``ATTN_OTEL_FINISH_BATCH_STEPS`` above 0.  Default ``1``."""
 
+ATTN_OTEL_STEADY = "ATTN_OTEL_STEADY"
+"""``1``: running requests that decode one token a step into a block they already hold are counted by one step
+counter, not one by one (:mod:`attn_otel.steady`): the host's work before a forward no longer grows with every
+running request, only with those that arrive, finish, cross a block or are planned for maps.  ``0``: every
+scheduled request goes through the tracker, the stream's schedule and the block guards each step, as up to
+2026-11-29.  Default ``1``."""
+
 ATTN_OTEL_FINISH_BATCH_STEPS = "ATTN_OTEL_FINISH_BATCH_STEPS"
 """Engine steps a finished request's capture work may wait, to be done with other finished requests' in one
 batch (:mod:`attn_otel.deferred`): it is done sooner where vLLM gives one of the request's blocks to another
@@ -347,6 +354,7 @@ class Config:
     # engine core has taken the step's output (EngineCore.post_step), where that runs in this process
     after_launch_at: str = "execute"
     hold_finished: bool = True
+    steady: bool = True
     kv_write: str = "fused"
     launch: str = "bound"
     flush_keys: str = "blocks"
@@ -390,6 +398,7 @@ class Config:
         values["after_launch_at"] = at if at in ("sample", "output") else "execute"
         values["hold_finished"] = (_choice(env, ATTN_OTEL_HOLD_FINISHED, ("0", "1"), "1") == "1"
                                    and values["finish_batch_steps"] > 0)
+        values["steady"] = _choice(env, ATTN_OTEL_STEADY, ("0", "1"), "1") == "1"
         values["row_metrics"] = _choice(env, ATTN_OTEL_ROW_METRICS, ("maps", "all"), d.row_metrics)
         values["writer"] = _choice(env, ATTN_OTEL_WRITER, ("process", "thread"), d.writer)
         values["kv_write"] = _choice(env, ATTN_OTEL_KV_WRITE, ("fused", "vllm"), d.kv_write)

@@ -33,8 +33,7 @@ class DeferredFinish:
         self.req_ids: list[str] = []  # every finished id of the steps held (the per-id cleanups take them)
         self.finished: list[Any] = []  # their FinishedRequest records (the ones with a capture to make)
         self.maps = False  # one of them was planned for maps
-        self._held = np.zeros(1024, dtype=bool)  # by block id: a block of a held request
-        self._blocks: list[np.ndarray] = []
+        self._held: set[int] = set()  # the held requests' block ids (a set: a step looks up a few blocks)
         self._age = 0  # steps since the oldest held one finished
         self.batches = 0  # batches taken (stats)
         self.reason = ""  # why the last due() said yes: idle, maps, count, age or reuse (stats)
@@ -54,44 +53,50 @@ class DeferredFinish:
         self.req_ids.extend(ids)
         self.finished.extend(finished)
         self.maps = self.maps or maps
+        held = self._held
         for f in finished:
-            blocks = flat_blocks(f.block_ids)
-            if blocks.size:
-                top = int(blocks.max())
-                if top >= self._held.shape[0]:
-                    grown = np.zeros(max(top + 1, 2 * self._held.shape[0]), dtype=bool)
-                    grown[: self._held.shape[0]] = self._held
-                    self._held = grown
-                self._held[blocks] = True
-                self._blocks.append(blocks)
+            held.update(itertools.chain.from_iterable(f.block_ids))
 
-    def due(self, fresh: np.ndarray, idle: bool) -> bool:
+    def due(self, fresh: np.ndarray | Iterable[Iterable[int]], idle: bool) -> bool:
         """Whether the held requests must be taken before this step's forward: ``fresh`` are the block ids
-        this step's requests may write that no earlier step gave them; ``idle``: the step schedules no token."""
+        this step's requests may write that no earlier step gave them (an array, or lists of them);
+        ``idle``: the step schedules no token."""
         self.reused = False
         if not self.req_ids:
             return False
         self._age += 1
-        if fresh.size:
-            fresh = fresh[fresh < self._held.shape[0]]
-            self.reused = bool(self._held[fresh].any())  # then the work must come before the forward
-        for reason, hit in (("idle", idle), ("maps", self.maps), ("count", len(self.finished) >= self.max_requests),
-                            ("age", self._age > self.max_steps), ("reuse", self.reused)):
-            if hit:
-                self.reason = reason
-                return True
-        return False
+        if self._held:
+            ids = fresh.tolist() if isinstance(fresh, np.ndarray) else itertools.chain.from_iterable(fresh)
+            self.reused = any(map(self._held.__contains__, ids))  # then the work must come before the forward
+        if idle:
+            self.reason = "idle"
+        elif self.maps:
+            self.reason = "maps"
+        elif len(self.finished) >= self.max_requests:
+            self.reason = "count"
+        elif self._age > self.max_steps:
+            self.reason = "age"
+        elif self.reused:
+            self.reason = "reuse"
+        else:
+            return False
+        return True
 
     def take(self) -> tuple[list[str], list[Any]]:
         """Everything held, in finishing order; the blocks are no longer marked."""
         ids, finished = self.req_ids, self.finished
-        for b in self._blocks:
-            self._held[b] = False
-        self.req_ids, self.finished, self._blocks, self.maps = [], [], [], False
+        self._held.clear()
+        self.req_ids, self.finished, self.maps = [], [], False
         self.batches += 1
         return ids, finished
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
+
 def flat_blocks(block_lists: Iterable[Sequence[int]]) -> np.ndarray:
     """Block ids of several lists as one int64 array."""
+    if isinstance(block_lists, (list, tuple)) and not block_lists:
+        return _NONE
     return np.fromiter(itertools.chain.from_iterable(block_lists), dtype=np.int64)

@@ -23,6 +23,7 @@ from .plan import Plan, Planner
 from .slots import slots_of, upload, upload_many
 from .stats import Stats, WarnOnce
 from .stream import MetricsStream
+from .stream import gather as stream_gather
 from .tap import LayerSpec, QKTap
 from .timing import DeviceTimer
 
@@ -219,7 +220,7 @@ class BatchedMetrics:
         got = None
         if streamed:  # computed while the requests ran: one gather by slot for every streamed layer
             st = self.stream
-            got = st.gather(slots_dev[st.group], positions_dev)  # [streamed layers, total, width, H] float16
+            got = stream_gather(st, slots_dev[st.group], positions_dev)  # [streamed layers, total, width, H] float16
             order = [st.pos[layers[li].index] for li in streamed]
             if order != list(range(len(order))):
                 got = got.index_select(0, up(np.asarray(order, dtype=np.int64)))

@@ -318,6 +318,7 @@ class MetricsStream:
         self.direct = DirectRows(self)  # prefill chunks' rows in the forward (ATTN_OTEL_STREAM_DIRECT; off)
         self._writer = np.full(-(-S // self.block_size), -1, dtype=np.int64)
         self._live: dict[str, _Live] = {}
+        self.steady = None  # attn_otel.steady.Steady: live requests counted by a step counter (set by the adapter)
         self._by_idx: dict[int, str] = {}
         self._next = 0
         self.flushes = self.flushed_rows = 0
@@ -348,6 +349,7 @@ class MetricsStream:
 
     def pending(self) -> int:
         """Rows written and not flushed yet."""
+        _settled(self)
         return sum(lv.count for lv in self._live.values())
 
     def _reclaim(self, upto: int) -> None:
@@ -441,6 +443,7 @@ class MetricsStream:
         # forwards: after this forward's launch (after_launch) where ``defer_flush``, unless the forward writes
         # over a pending row (those before ``head + total - rows``), then now.
         if self._oldest is not None and head + total - self._oldest > self.rows // 2:
+            _settled(self)
             self._oldest = min((lv.lo for lv in self._live.values() if lv.count), default=None)
             if self._oldest is not None and head + total - self._oldest > self.rows // 2:
                 if self.defer_flush and head + total - self._oldest <= self.rows:
@@ -467,6 +470,7 @@ class MetricsStream:
 
     def _flush_all(self) -> None:
         """Every live request's pending rows: nothing is pending (or due) after it."""
+        _settled(self)
         self.flush([lv for lv in self._live.values() if lv.count])
         self._oldest, self.flush_due = None, False
 
@@ -476,7 +480,7 @@ class MetricsStream:
         self.direct.settle()
         todo: dict[int, _Live] = {}
         for r in req_ids:
-            live = self._live.get(r)
+            live = _settled(self, r)
             if live is not None:
                 todo[live.idx] = live
                 todo.update(_pending_owners(self, live))
@@ -484,8 +488,9 @@ class MetricsStream:
 
     def preempt(self, req_ids: Iterable[str]) -> None:
         """Preempted requests' blocks are freed this step: compute their pending rows now."""
-        self.direct.settle()
-        self.flush([self._live[r] for r in req_ids if r in self._live])
+        if req_ids:
+            self.direct.settle()
+            self.flush([_settled(self, r) for r in req_ids if r in self._live])
 
     def lost(self, req_id: str) -> bool:
         return bool(req_id in self._live and self._live[req_id].lost)
@@ -493,6 +498,7 @@ class MetricsStream:
     def forget(self, req_ids: Iterable[str]) -> None:
         """Finished requests (after :meth:`finish` and their captures were gathered)."""
         for r in req_ids:
+            _settled(self, r, leave=True)
             live = self._live.pop(r, None)
             if live is not None:
                 self._by_idx.pop(live.idx, None)
@@ -535,22 +541,36 @@ class MetricsStream:
             self.kernels.run_torch(firsts, counts, rows, starts, np.split(ks_flat, cu_k[1:-1]), prompt, vm_parts)
         if seq:  # the forwards may write these rows again once the flush has read them (see _reclaim)
             self._inflight.append((seq, min(lv.lo for lv in lives)))
-        for lv in lives:
-            lv.count = 0
+        for lv in lives:  # (a request counted by the step counter writes its next row at the head or after it)
+            lv.count, lv.lo = 0, self._head
         self.flushes += 1
         self.flushed_rows += n
         self.flush_times.append(time.perf_counter() - t0)  # host time of a flush that had rows to compute
 
-    # ------------------------------------------------------------------ at finish
-    def gather(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Per-row metrics of every streamed layer at these slots, whose tokens are at these ``positions`` of
-        their requests: ``[layers, len(slots), 7, Hq]`` float16 (``[.., 8, Hq]`` where a streamed layer has
-        learned sinks: :func:`attn_otel.attention.metric_width`), the kept rows (:func:`slot_rows`) put in place and
-        ``entropy_norm`` derived: the entropy over ln n_i, n_i the keys row i sees (its position + 1, or
-        fewer under the layer's window or chunks; NaN where n_i = 1), as the kernel computes it."""
-        local = self._local
-        return full_rows(self.metrics.index_select(1, slots), self._full_at, self.width, positions,
-                         self._window if local else None, self._chunk if local else None)
+
+def gather(st: MetricsStream, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """At finish: per-row metrics of every streamed layer of ``st`` at these slots, whose tokens are at these
+    ``positions`` of their requests: ``[layers, len(slots), 7, Hq]`` float16 (``[.., 8, Hq]`` where a streamed
+    layer has learned sinks: :func:`attn_otel.attention.metric_width`), the kept rows (:func:`slot_rows`) put in
+    place and ``entropy_norm`` derived: the entropy over ln n_i, n_i the keys row i sees (its position + 1, or
+    fewer under the layer's window or chunks; NaN where n_i = 1), as the kernel computes it."""
+    local = st._local
+    return full_rows(st.metrics.index_select(1, slots), st._full_at, st.width, positions,
+                     st._window if local else None, st._chunk if local else None)
+
+
+def _settled(st: MetricsStream, req_id: str | None = None, leave: bool = False) -> _Live | None:
+    """Live records with the steps the step counter counted for them applied (:mod:`attn_otel.steady`): one
+    request's (``req_id``, returned; with ``leave`` it stops being counted there), else every one's."""
+    steady = st.steady
+    if steady is not None:
+        if req_id is None:
+            steady.settle_all()
+        elif leave:
+            steady.leave(req_id)
+        else:
+            steady.settle(req_id)
+    return None if req_id is None else st._live.get(req_id)
 
 
 def _pending_owners(st: MetricsStream, live: _Live) -> dict[int, _Live]:
@@ -565,7 +585,7 @@ def _pending_owners(st: MetricsStream, live: _Live) -> dict[int, _Live]:
     out = {}
     for o in owners[owners >= 0].tolist():
         other = st._by_idx.get(int(o))
-        if other is not None and st._live[other].count:
+        if other is not None and _settled(st, other).count:
             out[int(o)] = st._live[other]
     return out
 

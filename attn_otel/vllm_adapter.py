@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -997,12 +998,19 @@ def _install(runner, kv_cache_config) -> None:
     engine.deferred = DeferredFinish(config.finish_batch_steps)
     engine.after_launch = None  # (ids, records) of a finish batch left for after the forward's launch
     engine.shadow = None
+    engine.steady = None
     if shadowed:
         from .shadow import ShadowBlocks
 
         own = sorted({s.own_group for s in shadowed})
         engine.shadow = ShadowBlocks(shadowed[0].group, num_slots, block_sizes[-1],
                                      {g: kv_cache_config.num_blocks * block_sizes[g] for g in own}, runner.device)
+    elif config.steady:  # (attn-otel's own block table of windowed layers follows every request's every step)
+        from .steady import Steady
+
+        engine.steady = Steady(math.gcd(*block_sizes) if block_sizes else 16)
+        if stream is not None:
+            stream.steady = engine.steady
     if config.verify and engine.maptap is not None:
         for s in (*engine.maptap.layers.values(), *engine.maptap.checked.values()):
             layer = layers[s.name]
@@ -1398,8 +1406,11 @@ def _track(runner, engine, so, t0: float) -> None:
     tracker = engine.tracker
     stream = engine.stream
     side = engine.side
+    steady = getattr(engine, "steady", None)
     done = []
     for req_id in so.finished_req_ids:
+        if steady is not None:
+            steady.leave(req_id)
         if req_id.startswith("_") and "warmup" in req_id:  # vLLM's own start-up warm-up batches
             tracker.finish(req_id)
             continue
@@ -1422,6 +1433,9 @@ def _track(runner, engine, so, t0: float) -> None:
         for (req_id, t), (outputs, device_ids) in zip(done, tokens)]
     preempted = list(getattr(so, "preempted_req_ids", None) or ())
     maptap, shadow = engine.maptap, engine.shadow
+    if steady is not None:
+        for req_id in preempted:
+            steady.leave(req_id)
     if stream is not None:  # before this step's forward can reuse their blocks: their rows are computed now
         stream.preempt(preempted)
     if maptap is not None:
@@ -1452,26 +1466,32 @@ def _track(runner, engine, so, t0: float) -> None:
     cached = so.scheduled_cached_reqs
     resumed = getattr(cached, "resumed_req_ids", None) or set()
     update, new_blocks, computed = tracker.update, cached.new_block_ids, cached.num_computed_tokens
-    for i, req_id in enumerate(cached.req_ids):
+    ids = cached.req_ids
+    total = getattr(so, "total_num_scheduled_tokens", None)  # every token of the forward, captured or not
+    if steady is not None:  # the requests that take a token into a block they hold are counted at once, below
+        ones = total is not None and int(total) - sum(it[3] for it in items) == len(ids)
+        picks = steady.split(ids, new_blocks, ones, scheduled)
+    else:
+        picks = range(len(ids))
+    for i in picks:
+        req_id = ids[i]
         n = scheduled.get(req_id, 0)
         t = update(req_id, new_blocks[i], computed[i], n, req_id in resumed)
         if t is not None:
             items.append((req_id, t, int(computed[i]), n))
         if holding and new_blocks[i] is not None:
             fresh.extend(new_blocks[i])
-    total = getattr(so, "total_num_scheduled_tokens", None)  # every token of the forward, captured or not
     empty = total is not None and not int(total)
     if empty and len(tracker):  # a step of no token while requests run (async scheduling makes a few)
         engine.stats.add("empty_steps")
-    fresh_flat = flat_blocks(fresh)
     spill_s = 0.0
     if spilling:
         t3 = time.perf_counter()
-        finished = _spill_or_hold(engine, done, finished, fresh_flat, empty)
+        finished = _spill_or_hold(engine, done, finished, flat_blocks(fresh), empty)
         spill_s = time.perf_counter() - t3
         parts["finished_rows"] += spill_s
     deferred.add(so.finished_req_ids, finished, any(t.maps for _, t in done))
-    if deferred.due(fresh_flat, empty):
+    if deferred.due(fresh, empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take()
         if engine.config.after_launch and not deferred.reused:  # this forward writes none of their blocks
@@ -1487,7 +1507,25 @@ def _track(runner, engine, so, t0: float) -> None:
     if maptap is not None:
         maptap.schedule(items)
     side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads
+    if steady is not None:
+        _steady_step(steady, stream, items)
     parts["schedule"] += time.perf_counter() - t2
+
+
+def _steady_step(steady, stream, items: list) -> None:
+    """After the stream counted this step's rows: the step counter's members took a token each, and the requests
+    that took one token through the ordinary path, not planned for maps, are counted by it from the next step."""
+    steady.bump()
+    live_of = stream._live.get if stream is not None else None
+    for req_id, t, start, n in items:
+        if n != 1 or t.maps:
+            continue
+        live = None
+        if live_of is not None:
+            live = live_of(req_id)
+            if live is None or live.lost or live.next != start + 1:
+                continue
+        steady.join(req_id, t, live, start + 1)
 
 
 def _spill_or_hold(engine, done: list, finished: list, fresh, empty: bool) -> list:

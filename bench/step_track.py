@@ -32,8 +32,12 @@ PARTS = ("finished_rows", "captures", "schedule")
 KEYS = ("track_us_p50", "track_us_mean", "quiet_us_p50", "after_us_mean")  # compared with --baseline
 
 
-def measure(live: int, steps: int, device: str, seed: int = 0) -> dict:
-    """In this process: per-step host seconds of ``_track`` and of the work after the launch."""
+def measure(live: int, steps: int, device: str, seed: int = 0, steady: bool | None = None,
+            keep: bool = False) -> dict:
+    """In this process: per-step host seconds of ``_track`` and of the work after the launch.  ``steady``: the
+    step counter of attn_otel.steady on or off (None: ``ATTN_OTEL_STEADY``, default on); ``keep``: the result also
+    holds what was captured (``finished``: request id -> tokens and blocks) and the streamed layers' per-slot
+    metric rows at the end (``metrics``), for comparing two runs."""
     import numpy as np
     import torch
 
@@ -50,6 +54,7 @@ def measure(live: int, steps: int, device: str, seed: int = 0) -> dict:
     gpu = device == "cuda"
     H, HKV, D = (32, 8, 128) if gpu else (4, 2, 16)
     rng = np.random.default_rng(seed)
+    torch.manual_seed(seed)
     total_blocks = 12_000 if gpu else 6_000
     layers = [LayerSpec(index=i, name=f"l{i}", num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D ** -0.5)
               for i in (0, 10, 21, 31)]
@@ -69,7 +74,23 @@ def measure(live: int, steps: int, device: str, seed: int = 0) -> dict:
     engine.deferred = DeferredFinish(config.finish_batch_steps)
     engine.after_launch = None
     engine.shadow = None
+    engine.steady = None
+    if steady is None:
+        steady = os.environ.get("ATTN_OTEL_STEADY", "1") != "0"
+    if steady and getattr(config, "steady", False):  # (a baseline checkout from before attn_otel.steady has none)
+        from attn_otel.steady import Steady
+
+        engine.steady = stream.steady = Steady(BS)
     runner = SimpleNamespace()  # no host request state: no token ids gathered
+    kept: dict[str, tuple] = {}
+    if keep:
+        on_finished = engine.on_finished_many
+
+        def recorded(finished):
+            kept.update((f.request_id, (f.num_tokens, [list(b) for b in f.block_ids])) for f in finished)
+            return on_finished(finished)
+
+        engine.on_finished_many = recorded
 
     free = collections.deque(range(1, total_blocks))  # vLLM's free-block queue: freed blocks go to its end
     running: dict[str, dict] = {}
@@ -163,6 +184,9 @@ def measure(live: int, steps: int, device: str, seed: int = 0) -> dict:
             torch.cuda.synchronize()
     if gpu:
         torch.cuda.synchronize()
+    if keep:
+        snap_keep = {"finished": kept, "metrics": stream.metrics.float().cpu().clone(),
+                     "joins": getattr(engine.steady, "joins", 0) if getattr(engine, "steady", None) else 0}
     snap = {"captured": engine.stats.captured, "dropped": dict(engine.stats.dropped),
             "ring_drifts": stream.counter.drifts, "flushes": stream.flushes}
     engine.close()
@@ -178,7 +202,8 @@ def measure(live: int, steps: int, device: str, seed: int = 0) -> dict:
             "quiet_us_p90": round(float(np.percentile(np.asarray(quiet) * 1e6, 90)), 1),
             "quiet_parts_us_p50": {k: round(float(np.percentile(np.asarray(v) * 1e6, 50)), 1)
                                    for k, v in quiet_parts.items()},
-            "after_us_mean": round(float(au.mean()), 1), "step_parts_s": parts, **snap}
+            "after_us_mean": round(float(au.mean()), 1), "step_parts_s": parts, **snap,
+            **(snap_keep if keep else {})}
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch
 from attn_otel.attention import KERNEL_METRICS, attention_metrics
 from attn_otel.tap import LayerSpec
 from attn_otel.slots import slots_of
-from attn_otel.stream import MetricsStream
+from attn_otel.stream import MetricsStream, gather
 from attn_otel.vllm_adapter import _key_cache_view
 
 H, HKV, D, BS = 4, 2, 16, 4
@@ -99,7 +99,7 @@ class Toy:
             side.taken_back(self.t[r].block_ids, seq)
         side.begin()  # as the engine's finish path does before its gather on the side stream
         with side.context():
-            got = {r: self.stream.gather(torch.from_numpy(slots_of(self.t[r].block_ids[0], BS, 0,
+            got = {r: gather(self.stream, torch.from_numpy(slots_of(self.t[r].block_ids[0], BS, 0,
                                                                    self.t[r].written)).to(self.device),
                                          torch.arange(self.t[r].written, device=self.device))
                    for r in finished}
@@ -312,9 +312,9 @@ def test_a_spilled_last_block_outlives_its_reuse(device):
     side = st.side
     side.begin()
     with side.context():
-        spilled = st.gather(torch.from_numpy(slots_of(t.block_ids[0][:-1] + [v], BS, 0, 14)).to(toy.device),
+        spilled = gather(st, torch.from_numpy(slots_of(t.block_ids[0][:-1] + [v], BS, 0, 14)).to(toy.device),
                             torch.arange(14, device=toy.device))
-        real = st.gather(torch.from_numpy(slots_of(t.block_ids[0], BS, 0, 14)).to(toy.device),
+        real = gather(st, torch.from_numpy(slots_of(t.block_ids[0], BS, 0, 14)).to(toy.device),
                          torch.arange(14, device=toy.device))
     if side.stream is not None:
         torch.cuda.current_stream().wait_stream(side.stream)
@@ -626,7 +626,7 @@ def test_gather_derives_entropy_norm_under_windows_and_chunks():
     st.metrics.copy_((torch.rand(st.metrics.shape, generator=g) * 3).to(torch.float16))
     slots = torch.randperm(64, generator=g)[:20]
     pos = torch.arange(20)
-    got = st.gather(slots, pos)
+    got = gather(st, slots, pos)
     assert got.shape == (3, 20, 7, H)
     kept = st.metrics[:, slots].float()
     for i, name in enumerate(st.slot_rows):
