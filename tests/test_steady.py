@@ -60,7 +60,7 @@ def test_a_request_whose_next_token_starts_a_block_does_not_join():
 
 @pytest.fixture(scope="module")
 def both():
-    return {on: step_track.measure(24, 260, "cpu", seed=3, steady=on, keep=True) for on in (False, True)}
+    return {on: step_track.measure(24, 160, "cpu", seed=3, steady=on, keep=True) for on in (False, True)}
 
 
 def test_the_step_counter_captures_what_one_by_one_counting_captures(both):
