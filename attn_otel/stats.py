@@ -60,6 +60,7 @@ class Stats:
         # token while requests were still running (each takes the held batch as if the engine went idle)
         self.finish_batch_reasons: collections.Counter[str] = collections.Counter()
         self.empty_steps = 0
+        self.steady_drift = 0  # requests back from the step counter whose position vLLM's scheduler disagreed with
         # where work after the launch ran, a count a time (ATTN_OTEL_AFTER_LAUNCH): "execute", "sample", "output",
         # or "next_step" (left by a step whose hook did not come back: run before the next step's forward)
         self.after_launch_at: collections.Counter[str] = collections.Counter()
@@ -89,7 +90,7 @@ class Stats:
                                     "skipped": dict(self.skipped), "export_errors": dict(self.export_errors),
                                     "bytes_written": self.bytes_written,
                                     "finish_batch_reasons": dict(self.finish_batch_reasons),
-                                    "empty_steps": self.empty_steps,
+                                    "empty_steps": self.empty_steps, "steady_drift": self.steady_drift,
                                     "after_launch_at": dict(self.after_launch_at),
                                     "spill_at": dict(self.spill_at),
                                     "step_host_s": {k: round(v, 4) for k, v in self.step_parts.items()}}

@@ -31,6 +31,7 @@ class Steady:
         self._cross: dict[int, list[str]] = {}  # epoch -> members whose token of that step starts a block
         self.joins = 0
         self.leaves = 0
+        self.back: list[str] = []  # the members the last split sent back to the ordinary path
 
     def __len__(self) -> int:
         return len(self._m)
@@ -80,6 +81,7 @@ class Steady:
         m = self._m
         e1 = self.epoch + 1
         crossing = self._cross.pop(e1, ())
+        self.back = []
         if not m:
             return list(range(len(ids)))
         outside = list(filterfalse(m.__contains__, ids))
@@ -98,8 +100,9 @@ class Steady:
             picks.update(compress(range(len(ids)), map(is_not, new_blocks, repeat(None))))
         if not ones:
             picks.update(i for i, r in enumerate(ids) if scheduled.get(r) != 1)
-        for i in picks:
-            self.leave(ids[i])
+        self.back = [r for r in map(ids.__getitem__, picks) if r in m]  # members back to the ordinary path
+        for r in self.back:
+            self.leave(r)
         return sorted(picks)
 
     def bump(self) -> None:

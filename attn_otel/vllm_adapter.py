@@ -1471,6 +1471,8 @@ def _track(runner, engine, so, t0: float) -> None:
     if steady is not None:  # the requests that take a token into a block they hold are counted at once, below
         ones = total is not None and int(total) - sum(it[3] for it in items) == len(ids)
         picks = steady.split(ids, new_blocks, ones, scheduled)
+        if steady.back:  # vLLM's position of each must be the one the counter reached (else: counted, never raised)
+            _steady_drift(engine, tracker, steady.back, ids, computed, picks)
     else:
         picks = range(len(ids))
     for i in picks:
@@ -1510,6 +1512,13 @@ def _track(runner, engine, so, t0: float) -> None:
     if steady is not None:
         _steady_step(steady, stream, items)
     parts["schedule"] += time.perf_counter() - t2
+
+
+def _steady_drift(engine, tracker, back: list[str], ids, computed, picks) -> None:
+    at = {ids[i]: int(computed[i]) for i in picks}
+    n = sum(1 for r in back if (t := tracker.get(r)) is not None and t.written != at.get(r, t.written))
+    if n:
+        engine.stats.add("steady_drift", n)
 
 
 def _steady_step(steady, stream, items: list) -> None:

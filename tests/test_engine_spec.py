@@ -86,6 +86,8 @@ def test_drafts_were_proposed_accepted_and_rejected_and_every_request_captured(s
     # prompts' rows computed in the forward (spec_serve: ATTN_OTEL_STREAM_DIRECT=1), a decode step's chunk of
     # 1 + the drafts through the ring
     assert got["stats"]["stream_direct_rows"] > 0 and got["stats"]["stream_direct_replayed"] == 0, got["stats"]
+    # requests counted by the step counter (attn_otel.steady) between drafts came back where vLLM had them
+    assert got["stats"]["steady_drift"] == 0
 
 
 def test_captures_under_speculative_decoding_are_exact(served_spec, smollm2_path):

@@ -66,6 +66,7 @@ def both():
 def test_the_step_counter_captures_what_one_by_one_counting_captures(both):
     off, on = both[False], both[True]
     assert on["joins"] > 100 and off["joins"] == 0  # it was used
+    assert on["steady_drift"] == 0  # each member came back at the position the scheduler gave it
     assert on["finished"] and on["finished"] == off["finished"]  # every request, its tokens and blocks
     assert on["captured"] == off["captured"] > 0 and on["dropped"] == off["dropped"] == {}
 
