@@ -32,6 +32,7 @@ class Steady:
         self.joins = 0
         self.leaves = 0
         self.back: list[str] = []  # the members the last split sent back to the ordinary path
+        self.due = False  # a split was made and its bump not yet (see Steady.bump)
 
     def __len__(self) -> int:
         return len(self._m)
@@ -82,6 +83,7 @@ class Steady:
         e1 = self.epoch + 1
         crossing = self._cross.pop(e1, ())
         self.back = []
+        self.due = True
         if not m:
             return list(range(len(ids)))
         outside = list(filterfalse(m.__contains__, ids))
@@ -106,8 +108,10 @@ class Steady:
         return sorted(picks)
 
     def bump(self) -> None:
-        """Every member took one token this step (after the stream counted the step's other rows)."""
+        """Every member took one token this step (after the stream counted the step's other rows).  Where the
+        step's bookkeeping failed after :meth:`split`, the adapter bumps anyway: the members took their token."""
         self.epoch += 1
+        self.due = False
 
     def join(self, req_id: str, tracked: Any, live: Any, next_pos: int) -> None:
         """After :meth:`bump`: a request whose counts are up to date and whose next token is ``next_pos``."""

@@ -1298,6 +1298,9 @@ def _before_step(orig, runner, scheduler_output, *args, **kwargs):
         except Exception:  # noqa: BLE001
             engine.stats.add("dropped", reason="capture_error")
             engine.warn_once("track", "could not follow this step's requests", exc=True)
+            steady = getattr(engine, "steady", None)
+            if steady is not None and steady.due:  # its members took this step's token all the same
+                steady.bump()
         dt = time.perf_counter() - t0
         engine.stats.step_times.append(dt)
         engine.step_own += dt

@@ -75,3 +75,28 @@ def test_the_step_counter_leaves_the_streamed_rows_as_they_were(both):
     a, b = both[False]["metrics"], both[True]["metrics"]
     assert torch.equal(a.isnan(), b.isnan()) and (~a.isnan()).sum() > 1000
     torch.testing.assert_close(a.nan_to_num(), b.nan_to_num(), rtol=1e-3, atol=1e-3)
+
+
+def test_a_step_whose_bookkeeping_fails_still_counts_the_members_token():
+    from attn_otel import vllm_adapter
+
+    s = Steady(BS)
+    t, lv = rec(1)
+    s.bump()
+    s.join("a", t, lv, 1)
+    so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=["a"], new_block_ids=[None]))
+
+    def failing(runner, engine, so_, t0):  # the split made, then the step's bookkeeping raises
+        s.split(["a"], [None], True, {"a": 1})
+        raise RuntimeError("after the split")
+
+    engine = SimpleNamespace(steady=s, stats=SimpleNamespace(add=lambda *a, **k: None, step_times=[]), step_own=0.0,
+                             warn_once=lambda *a, **k: None)
+    orig, vllm_adapter._track = vllm_adapter._track, failing
+    try:
+        runner = SimpleNamespace(_attn_otel=engine)
+        vllm_adapter._before_step(lambda r, so_: "forward", runner, so)
+    finally:
+        vllm_adapter._track = orig
+    s.settle_all()
+    assert not s.due and (t.written, lv.next) == (2, 2)
