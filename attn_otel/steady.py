@@ -30,8 +30,7 @@ class Steady:
         self._m: dict[str, list] = {}
         self._cross: dict[int, list[str]] = {}  # epoch -> members whose token of that step starts a block
         self.joins = 0
-        self.leaves = 0
-        self.back: list[str] = []  # the members the last split sent back to the ordinary path
+        self.back: list[int] = []  # indices (in its ``ids``) of the members the last split sent back
         self.due = False  # a split was made and its bump not yet (see Steady.bump)
 
     def __len__(self) -> int:
@@ -67,12 +66,6 @@ class Steady:
         m = self._m.pop(req_id, None)
         if m is not None:
             self._apply(m, self.epoch)
-            self.leaves += 1
-
-    def clear(self) -> None:
-        for r in list(self._m):
-            self.leave(r)
-        self._cross.clear()
 
     def split(self, ids: Sequence[str], new_blocks: Sequence[Any], ones: bool, scheduled: dict) -> list[int]:
         """This step's scheduled running requests (``ids``, with their new blocks): the indices of those the
@@ -102,9 +95,9 @@ class Steady:
             picks.update(compress(range(len(ids)), map(is_not, new_blocks, repeat(None))))
         if not ones:
             picks.update(i for i, r in enumerate(ids) if scheduled.get(r) != 1)
-        self.back = [r for r in map(ids.__getitem__, picks) if r in m]  # members back to the ordinary path
-        for r in self.back:
-            self.leave(r)
+        self.back = [i for i in picks if ids[i] in m]  # members back to the ordinary path
+        for i in self.back:
+            self.leave(ids[i])
         return sorted(picks)
 
     def bump(self) -> None:

@@ -1475,7 +1475,7 @@ def _track(runner, engine, so, t0: float) -> None:
         ones = total is not None and int(total) - sum(it[3] for it in items) == len(ids)
         picks = steady.split(ids, new_blocks, ones, scheduled)
         if steady.back:  # vLLM's position of each must be the one the counter reached (else: counted, never raised)
-            _steady_drift(engine, tracker, steady.back, ids, computed, picks)
+            _steady_drift(engine, tracker, steady.back, ids, computed)
     else:
         picks = range(len(ids))
     for i in picks:
@@ -1517,9 +1517,8 @@ def _track(runner, engine, so, t0: float) -> None:
     parts["schedule"] += time.perf_counter() - t2
 
 
-def _steady_drift(engine, tracker, back: list[str], ids, computed, picks) -> None:
-    at = {ids[i]: int(computed[i]) for i in picks}
-    n = sum(1 for r in back if (t := tracker.get(r)) is not None and t.written != at.get(r, t.written))
+def _steady_drift(engine, tracker, back: list[int], ids, computed) -> None:
+    n = sum(1 for i in back if (t := tracker.get(ids[i])) is not None and t.written != int(computed[i]))
     if n:
         engine.stats.add("steady_drift", n)
 
