@@ -89,12 +89,14 @@ def test_speculative_captures_are_exact_and_hold_accepted_rows_only(spec_engine,
         cal.add_maps("tv", cap.maps(), fp32[list(cap.layers)], bf16[list(cap.layers)])
         recon.append(check_reconstruction(cap))
     st = engine.stream
-    report = {"method": METHOD, "spec": spec, "stats": {k: stats[k] for k in ("captured", "dropped", "skipped")},
+    kept = ("captured", "dropped", "skipped", "steady_drift")
+    report = {"method": METHOD, "spec": spec, "stats": {k: stats[k] for k in kept},
               "stream": None if st is None else {"rows": st.rows, "direct_rows": st.direct.computed,
                                                  "direct_replayed": st.direct.replayed, "flushed_rows": st.flushed_rows},
               "layer_kinds": kinds, "calibrated": cal.report(),
               "reconstruction_worst": {k: max(r[k] for r in recon) for k in ("median", "p99", "max")},
-              "attention_impl": engine.attrs["attention_impl"]}
+              "attention_impl": engine.attrs["attention_impl"],
+              "steady_joins": None if engine.steady is None else engine.steady.joins}
     print("GPU speculative decoding:", json.dumps(report))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu_spec-{METHOD}.json"), "w") as f:
@@ -103,6 +105,7 @@ def test_speculative_captures_are_exact_and_hold_accepted_rows_only(spec_engine,
     accepted = spec.get("vllm:spec_decode_num_accepted_tokens") or 0
     assert 0 < accepted < drafted, spec  # both paths: accepted drafts and rejected ones
     assert stats["captured"] == len(prompts) and stats["dropped"] == {}
+    assert stats["steady_drift"] == 0  # members back from the step counter between drafts, where vLLM had them
     if METHOD != "ngram":  # the draft's attention layer exists, and is named as not captured
         assert kinds and kinds.get(str(LAYERS), "").startswith("not captured: the speculative decoding draft"), kinds
     cal.check(f"GPU {METHOD} speculative decoding")
