@@ -50,15 +50,20 @@ def ensure_smollm2(cache: Path | None = None) -> Path:
     model.load_state_dict(quant.state_dict(), strict=False)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    tmp = out.with_name(out.name + ".tmp")
+    import shutil
+
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")  # one per process: two may convert at once (test workers)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / ".complete").write_text("ok\n")
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    if out.exists() and not (out / ".complete").exists():
+        shutil.rmtree(out, ignore_errors=True)  # an interrupted copy of an older version
+    try:
+        tmp.rename(out)
+    except OSError:  # another process's complete copy got there first
+        if not (out / ".complete").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -279,9 +279,67 @@ def scraped_server(smollm2_path, tmp_path_factory):
                 stop()
 
 
+# Two workers (run-tests.sh: pytest-xdist, ``--dist loadgroup``).  A module is one unit of work, so that its
+# module-scoped engines start once; modules that share a costly session fixture are one unit, so that it starts
+# once (on the worker that runs them).  Units go out longest first (seconds of test time on the 2-core CI
+# machine, 2026-11-29; a module not named here counts as short), so that neither worker is left alone with a
+# long one at the end.
+SHARED_FIXTURES = ("engine", "otel_server", "scraped_server", "disk_engine", "s3_engine", "s3_proxy")
+UNIT_SECONDS = {"reliability": 420, "engine": 300, "test_engine_spec.py": 190, "test_engine_variants.py": 190,
+                "test_engine_stream.py": 170, "test_demo.py": 120, "otel_server": 110, "scraped_server": 100,
+                "test_parallel.py": 80, "test_engine_mla.py": 70, "test_s3.py": 55, "test_engine_hybrid.py": 50,
+                "test_flush_host_bench.py": 50, "test_gc.py": 40, "test_engine_chunked.py": 30}
+
+
+def _units(items) -> dict[str, str]:
+    """Each test module's unit: the module, or the name of the session fixture it shares with others (modules
+    sharing one with any module of a unit join it).  A module that reaches one through ``getfixturevalue`` names
+    it in its ``SHARES``."""
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for item in items:
+        mod = _module(item)
+        used = (*getattr(item, "fixturenames", ()), *getattr(getattr(item, "module", None), "SHARES", ()))
+        for name in SHARED_FIXTURES:
+            if name in used:
+                a, b = sorted((root(mod), root(name)), key=lambda u: (u.endswith(".py"), u))
+                parent[b] = a  # a fixture's name names the unit
+        root(mod)
+    units = {mod: root(mod) for mod in list(parent) if mod.endswith(".py")}
+    rel = {u for m, u in units.items() if "/reliability/" in m or u in ("disk_engine", "s3_engine", "s3_proxy")}
+    return {m: "reliability" if u in rel else u for m, u in units.items()}
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::")[0]  # tests/reliability/test_faults.py
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
     """Tests on the in-process engine run first, so that it starts before the other modules' imports.  When an
     engine starts, vLLM's CPU platform walks every loaded module's globals (``vllm.triton_utils.dispatcher``)
     and tripped over flask's context proxies while moto's S3 server ran in this process.  It runs in a process
-    of its own now (tests/s3.py); the order stays, against the next module of that kind."""
+    of its own now (tests/s3.py); the order stays, against the next module of that kind.
+
+    Under pytest-xdist's ``--dist loadgroup`` each test is marked with its unit (``xdist_group``, before xdist's
+    own hook reads the marks: this one runs first) and the units are ordered longest first."""
     items.sort(key=lambda item: 0 if "engine" in getattr(item, "fixturenames", ()) else 1)
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    units = _units(items)
+    order = {}
+    for item in items:
+        unit = units[_module(item)]
+        item.add_marker(pytest.mark.xdist_group(unit))
+        order.setdefault(unit, len(order))
+
+    def first(item):
+        unit = units[_module(item)]
+        return -UNIT_SECONDS.get(Path(unit).name, 0), order[unit]
+
+    items.sort(key=first)

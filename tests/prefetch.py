@@ -1,4 +1,6 @@
-"""Engines a test module serves in subprocesses, started as the module begins, two at a time.
+"""Engines a test module serves in subprocesses, started as the module begins, two at a time (one at a time in
+each of run-tests.sh's two pytest-xdist workers, which already keep both cores busy, and four engines at once
+would not fit the CI machine's memory).
 
 A served engine is mostly one Python thread while it starts (imports, vLLM's set-up, dynamo's trace), and the
 checks against HF run in the test process meanwhile, so on the 2-core CI machine two at once take about the time
@@ -14,6 +16,7 @@ those), starts them in the order the tests take them, and each test waits for it
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -35,7 +38,9 @@ def selected(request, key_of: Callable[[Any], str | list[str] | None]) -> list[s
 
 
 class Prefetch:
-    def __init__(self, workers: int = 2):
+    def __init__(self, workers: int | None = None):
+        if workers is None:  # one at a time in each of pytest-xdist's workers (run-tests.sh runs two)
+            workers = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prefetch")
         self._futures: dict[str, Future] = {}
 

@@ -19,6 +19,7 @@ import attn_otel
 from attn_otel.ids import new_span_id, new_trace_id
 
 pytestmark = pytest.mark.engine
+SHARES = ("otel_server",)  # reached through getfixturevalue below (tests/conftest.py: one xdist unit with its users)
 
 PROMPT = "Zanzibar quokka lighthouse recipe, step one:"
 
