@@ -7,6 +7,6 @@ cd "$(dirname "$0")"
 bash setup.sh
 workers=${TEST_WORKERS:-2}
 dist=()
-[ "$workers" != 0 ] && dist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+[ "$workers" != 0 ] && dist=(-n "$workers" --no-loadscope-reorder)
 # --durations: every run (CI included) ends with its slowest tests, the list issue 20's 25-minute budget is kept by
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1800 --durations=25 "${dist[@]}" "$@"

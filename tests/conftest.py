@@ -279,22 +279,35 @@ def scraped_server(smollm2_path, tmp_path_factory):
                 stop()
 
 
-# Two workers (run-tests.sh: pytest-xdist, ``--dist loadgroup``).  A module is one unit of work, so that its
-# module-scoped engines start once; modules that share a costly session fixture are one unit, so that it starts
-# once (on the worker that runs them).  Units go out longest first (seconds of test time on the 2-core CI
-# machine, 2026-11-29; a module not named here counts as short), so that neither worker is left alone with a
-# long one at the end.
+# Two workers (run-tests.sh: pytest-xdist).  A module is one unit of work, so that its module-scoped engines start
+# once; modules that share a costly session fixture are one unit (UNITS), so that it starts once, on the worker
+# that runs them.  Units go out longest first (UNIT_SECONDS: seconds of test time on the 2-core CI machine,
+# 2026-11-29; a unit not named there counts as short), so that neither worker is left alone with a long one at
+# the end.  (xdist's own ``--dist loadgroup`` cannot do it with pytest 9.2: it renames items through
+# ``item._nodeid``, which pytest no longer reads.)
 SHARED_FIXTURES = ("engine", "otel_server", "scraped_server", "disk_engine", "s3_engine", "s3_proxy")
+UNITS = {"tests/test_engine_conventions.py": "engine", "tests/test_engine_exact.py": "engine",
+         "tests/test_engine_metrics.py": "engine", "tests/test_engine_selection.py": "engine",
+         "tests/test_engine_server.py": "otel_server", "tests/test_otel_server.py": "otel_server",
+         "tests/test_grafana_live.py": "scraped_server", "tests/test_prometheus_server.py": "scraped_server"}
 UNIT_SECONDS = {"reliability": 420, "engine": 300, "test_engine_spec.py": 190, "test_engine_variants.py": 190,
                 "test_engine_stream.py": 170, "test_demo.py": 120, "otel_server": 110, "scraped_server": 100,
                 "test_parallel.py": 80, "test_engine_mla.py": 70, "test_s3.py": 55, "test_engine_hybrid.py": 50,
                 "test_flush_host_bench.py": 50, "test_gc.py": 40, "test_engine_chunked.py": 30}
 
 
-def _units(items) -> dict[str, str]:
-    """Each test module's unit: the module, or the name of the session fixture it shares with others (modules
-    sharing one with any module of a unit join it).  A module that reaches one through ``getfixturevalue`` names
-    it in its ``SHARES``."""
+def unit_of(module: str) -> str:
+    """The unit of a test module (its path as in node ids)."""
+    return "reliability" if module.startswith("tests/reliability/") else UNITS.get(module, module)
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::")[0]  # tests/reliability/test_faults.py
+
+
+def _shared_units(items) -> dict[str, str]:
+    """The units the modules' fixtures call for: modules that use one of SHARED_FIXTURES (or name it in their
+    ``SHARES``, where they reach it through ``getfixturevalue``) with others, joined."""
     parent: dict[str, str] = {}
 
     def root(x: str) -> str:
@@ -310,13 +323,19 @@ def _units(items) -> dict[str, str]:
                 a, b = sorted((root(mod), root(name)), key=lambda u: (u.endswith(".py"), u))
                 parent[b] = a  # a fixture's name names the unit
         root(mod)
-    units = {mod: root(mod) for mod in list(parent) if mod.endswith(".py")}
-    rel = {u for m, u in units.items() if "/reliability/" in m or u in ("disk_engine", "s3_engine", "s3_proxy")}
-    return {m: "reliability" if u in rel else u for m, u in units.items()}
+    return {m: root(m) for m in list(parent) if m.endswith(".py")}
 
 
-def _module(item) -> str:
-    return item.nodeid.split("::")[0]  # tests/reliability/test_faults.py
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """In the controller: xdist's scheduling by scope, the scope of a test its module's unit."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid.split("::")[0])
+
+    return ByUnit(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -326,20 +345,25 @@ def pytest_collection_modifyitems(session, config, items):
     and tripped over flask's context proxies while moto's S3 server ran in this process.  It runs in a process
     of its own now (tests/s3.py); the order stays, against the next module of that kind.
 
-    Under pytest-xdist's ``--dist loadgroup`` each test is marked with its unit (``xdist_group``, before xdist's
-    own hook reads the marks: this one runs first) and the units are ordered longest first."""
+    In an xdist worker the units are ordered longest first (the controller sends them in this order), after a
+    check that UNITS groups the modules that share a served session fixture."""
     items.sort(key=lambda item: 0 if "engine" in getattr(item, "fixturenames", ()) else 1)
-    if config.getoption("dist", "no") != "loadgroup":
+    if not hasattr(config, "workerinput"):  # not an xdist worker
         return
-    units = _units(items)
-    order = {}
+    sharing: dict[str, set[str]] = {}  # UNITS must keep together what the fixtures share
+    for mod, root in _shared_units(items).items():
+        sharing.setdefault(root, set()).add(mod)
+    for root, mods in sharing.items():
+        if len({unit_of(m) for m in mods}) > 1:
+            msg = f"{', '.join(sorted(mods))} share {root}: give them one unit in tests/conftest.py's UNITS"
+            print(f"\nERROR: {msg}", file=sys.__stderr__, flush=True)  # (xdist reports a worker's error as a crash)
+            raise pytest.UsageError(msg)
+    order: dict[str, int] = {}
     for item in items:
-        unit = units[_module(item)]
-        item.add_marker(pytest.mark.xdist_group(unit))
-        order.setdefault(unit, len(order))
+        order.setdefault(unit_of(_module(item)), len(order))
 
     def first(item):
-        unit = units[_module(item)]
+        unit = unit_of(_module(item))
         return -UNIT_SECONDS.get(Path(unit).name, 0), order[unit]
 
     items.sort(key=first)
