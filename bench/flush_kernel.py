@@ -4,9 +4,12 @@ Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16), key
 paged cache (block size 16), random data.  Times one launch (one layer) per shape with CUDA events and
 reports milliseconds and the (row, key, head) evaluations per second; ``--sweep`` tries launch
 configurations (rows per program, keys per tile, warps, stages); ``--module PATH`` times another copy of
-``attn_otel/triton_metrics.py`` (an earlier kernel) for comparison.
+``attn_otel/triton_metrics.py`` (an earlier kernel) for comparison; ``--attention`` also times the attention of
+the prefill shapes (square, causal) with torch's SDPA on the same device, the metric kernel's cost against the
+attention it summarises (``attention``: ms of each and their ratio; ``peak_share``: the kernel's evaluations per
+second against the device's exponentials per second, one per (row, key, head) as in FlashAttention's softmax).
 
-    python3 bench/flush_kernel.py [--sweep] [--module PATH] [--out DIR]
+    python3 bench/flush_kernel.py [--sweep] [--module PATH] [--attention] [--out DIR]
 """
 
 from __future__ import annotations
@@ -68,11 +71,61 @@ def _time(mod, args, reps: int) -> float:
     return a.elapsed_time(b) / reps
 
 
+def _attention_ms(reqs: int, n: int, reps: int) -> tuple[float, str]:
+    """Causal attention of ``reqs`` sequences of ``n`` tokens (queries = keys), H query heads on HKV KV heads
+    (GQA), bf16, by torch's SDPA: its flash kernel where torch has one for the device."""
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(reqs, H, n, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(reqs, HKV, n, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(reqs, HKV, n, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(reps):
+                    fn()
+                b.record()
+                b.synchronize()
+                return a.elapsed_time(b) / reps, backend.name
+        except RuntimeError:
+            continue
+    raise RuntimeError("no SDPA backend ran the shape")
+
+
+def _exp_per_s() -> float:
+    """The device's exponentials per second: 16 per clock per SM on sm_80/sm_90 (MUFU), at its maximum clock."""
+    props = torch.cuda.get_device_properties(0)
+    clock_khz = getattr(props, "clock_rate", 0) or 0
+    if not clock_khz:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.max.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True)
+        clock_khz = int(out.stdout.split()[0]) * 1000
+    return props.multi_processor_count * 16 * clock_khz * 1e3
+
+
 def _load(path: str | None):
-    if path is None:  # by path: the kernel needs torch and Triton only, not the package's dependencies
+    if path is None:  # by path: the kernel needs torch, Triton and its sibling slots.py, not the package's imports
         path = str(Path(__file__).resolve().parent.parent / "attn_otel" / "triton_metrics.py")
-    spec = importlib.util.spec_from_file_location("triton_metrics_alt", path)
+    import types
+
+    pkg = f"_flush_kernel_{abs(hash(path))}"  # a bare package around the file's folder, for its relative imports
+    if pkg not in sys.modules:
+        mod = types.ModuleType(pkg)
+        mod.__path__ = [str(Path(path).resolve().parent)]
+        sys.modules[pkg] = mod
+    spec = importlib.util.spec_from_file_location(f"{pkg}.triton_metrics", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -82,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--module", action="append", default=[], help="another triton_metrics.py to time")
     ap.add_argument("--configs", help="JSON list of launch configurations to try (instead of --sweep's grid)")
+    ap.add_argument("--attention", action="store_true", help="also time SDPA's causal attention on the prefill shapes")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = ap.parse_args(argv)
@@ -117,6 +171,19 @@ def main(argv=None) -> int:
         best = min(ok, key=lambda r: sum(r["ms"].values()))
         results["best"] = best
         print("best", best["config"], {k: round(v, 3) for k, v in best["ms"].items()})
+    if ok and args.attention:
+        cur = ok[0]  # the kernel as it ships (no configuration given)
+        peak = _exp_per_s()
+        results["peak_exp_per_s"] = peak
+        results["peak_share"] = {k: v * 1e9 / peak for k, v in cur["g_evals_per_s"].items()}
+        results["attention"] = {}
+        for name, (reqs, first, n, _prompt) in SHAPES.items():
+            if first == 0 and name.startswith("prefill"):
+                ms, backend = _attention_ms(reqs, n, args.reps)
+                results["attention"][name] = {"sdpa_ms": ms, "sdpa_backend": backend, "metric_ms": cur["ms"][name],
+                                              "metric_over_attention": cur["ms"][name] / ms}
+        print("attention", json.dumps(results["attention"]), "peak share",
+              {k: round(v, 3) for k, v in results["peak_share"].items()}, flush=True)
     (args.out / "flush_kernel.json").write_text(json.dumps(results, indent=1))
     return 0
 
