@@ -59,16 +59,21 @@ def _inputs(reqs: int, first: int, n: int, prompt: int, device="cuda"):
             out), reqs * H * sum(first + i + 1 for i in range(n))
 
 
-def _time(mod, args, reps: int) -> float:
-    mod.row_metrics_stream(*args)  # compile, warm
+def _ms(fn, reps: int) -> float:
+    """Milliseconds a call of ``fn`` takes on the device, CUDA events around ``reps`` calls after a first one."""
+    fn()  # compile, warm
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
-        mod.row_metrics_stream(*args)
+        fn()
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / reps
+
+
+def _time(mod, args, reps: int) -> float:
+    return _ms(lambda: mod.row_metrics_stream(*args), reps)
 
 
 def _attention_ms(reqs: int, n: int, reps: int) -> tuple[float, str]:
@@ -85,16 +90,8 @@ def _attention_ms(reqs: int, n: int, reps: int) -> tuple[float, str]:
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         try:
             with sdpa_kernel([backend]):
-                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
-                fn()
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(reps):
-                    fn()
-                b.record()
-                b.synchronize()
-                return a.elapsed_time(b) / reps, backend.name
+                return _ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                           reps), backend.name
         except RuntimeError:
             continue
     raise RuntimeError("no SDPA backend ran the shape")
