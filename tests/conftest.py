@@ -296,34 +296,26 @@ UNIT_SECONDS = {"reliability": 420, "engine": 300, "test_engine_spec.py": 190, "
                 "test_flush_host_bench.py": 50, "test_gc.py": 40, "test_engine_chunked.py": 30}
 
 
-def unit_of(module: str) -> str:
-    """The unit of a test module (its path as in node ids)."""
+def unit_of(nodeid: str) -> str:
+    """The unit of a test (by its node id, or its module's path in node ids: tests/reliability/test_faults.py)."""
+    module = nodeid.split("::")[0]
     return "reliability" if module.startswith("tests/reliability/") else UNITS.get(module, module)
 
 
-def _module(item) -> str:
-    return item.nodeid.split("::")[0]  # tests/reliability/test_faults.py
-
-
-def _shared_units(items) -> dict[str, str]:
-    """The units the modules' fixtures call for: modules that use one of SHARED_FIXTURES (or name it in their
-    ``SHARES``, where they reach it through ``getfixturevalue``) with others, joined."""
-    parent: dict[str, str] = {}
-
-    def root(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            x = parent[x]
-        return x
-
+def _check_units(items) -> None:
+    """Every module whose tests use one of SHARED_FIXTURES (or name it in their ``SHARES``, where they reach it
+    through ``getfixturevalue``) must be in one unit with the other modules that use it."""
+    users: dict[str, set[str]] = {}
     for item in items:
-        mod = _module(item)
         used = (*getattr(item, "fixturenames", ()), *getattr(getattr(item, "module", None), "SHARES", ()))
         for name in SHARED_FIXTURES:
             if name in used:
-                a, b = sorted((root(mod), root(name)), key=lambda u: (u.endswith(".py"), u))
-                parent[b] = a  # a fixture's name names the unit
-        root(mod)
-    return {m: root(m) for m in list(parent) if m.endswith(".py")}
+                users.setdefault(name, set()).add(item.nodeid.split("::")[0])
+    for name, mods in users.items():
+        if len({unit_of(m) for m in mods}) > 1:
+            msg = f"{', '.join(sorted(mods))} share {name}: give them one unit in tests/conftest.py's UNITS"
+            print(f"\nERROR: {msg}", file=sys.__stderr__, flush=True)  # (xdist reports a worker's error as a crash)
+            raise pytest.UsageError(msg)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -333,7 +325,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class ByUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return unit_of(nodeid.split("::")[0])
+            return unit_of(nodeid)
 
     return ByUnit(config, log)
 
@@ -350,20 +342,13 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: 0 if "engine" in getattr(item, "fixturenames", ()) else 1)
     if not hasattr(config, "workerinput"):  # not an xdist worker
         return
-    sharing: dict[str, set[str]] = {}  # UNITS must keep together what the fixtures share
-    for mod, root in _shared_units(items).items():
-        sharing.setdefault(root, set()).add(mod)
-    for root, mods in sharing.items():
-        if len({unit_of(m) for m in mods}) > 1:
-            msg = f"{', '.join(sorted(mods))} share {root}: give them one unit in tests/conftest.py's UNITS"
-            print(f"\nERROR: {msg}", file=sys.__stderr__, flush=True)  # (xdist reports a worker's error as a crash)
-            raise pytest.UsageError(msg)
+    _check_units(items)
     order: dict[str, int] = {}
     for item in items:
-        order.setdefault(unit_of(_module(item)), len(order))
+        order.setdefault(unit_of(item.nodeid), len(order))
 
     def first(item):
-        unit = unit_of(_module(item))
+        unit = unit_of(item.nodeid)
         return -UNIT_SECONDS.get(Path(unit).name, 0), order[unit]
 
     items.sort(key=first)
