@@ -40,7 +40,7 @@ def available(device: torch.device, head_dims=()) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _slot(KSL, kstart0, p, mask, PBS, PAGED: tl.constexpr, MASK: tl.constexpr):
+    def _slot(KSL, kstart0, p, mask, PBS: tl.constexpr, PAGED: tl.constexpr, MASK: tl.constexpr):
         # The KV-cache slot of key position p of the request whose entries in KSL start at kstart0: KSL holds
         # the request's slots, one per position, or with PAGED its blocks' ids (a row of vLLM's block table:
         # position p is in block KSL[kstart0 + p // PBS] at offset p % PBS), 16x fewer for the host to build.
@@ -58,11 +58,28 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _tile(q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
+    def _kaddr(KSL, kstart0, p, mask, BS, PBS: tl.constexpr, sk_b, sk_t, PAGED: tl.constexpr,
+               PBS_IS_BS: tl.constexpr, MASK: tl.constexpr):
+        # Key position p's element offset in a paged K (block stride sk_b, position stride sk_t).  PBS_IS_BS
+        # (PAGED, block ids of the cache's own block size): block and offset straight from the block id and
+        # p % PBS, a compile-time block size; else the slot, split by the cache's block size BS at run time
+        # (a division per key, the tap's BS = 1 included).
+        if PAGED and PBS_IS_BS:
+            if MASK:
+                blk = tl.load(KSL + kstart0 + p // PBS, mask=mask, other=0)
+            else:
+                blk = tl.load(KSL + kstart0 + p // PBS)
+            return blk.to(tl.int64) * sk_b + (p % PBS) * sk_t
+        else:
+            scol = _slot(KSL, kstart0, p, mask, PBS, PAGED, MASK)
+            return (scol // BS) * sk_b + (scol % BS) * sk_t
+
+    @triton.jit
+    def _tile(q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS: tl.constexpr, koff, sk_b, sk_t, c,
               m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
               HAS_VISION: tl.constexpr, MASKED: tl.constexpr, CTX: tl.constexpr, LOCAL: tl.constexpr,
               HAS_CAP: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_N: tl.constexpr,
-              PAGED: tl.constexpr):
+              PAGED: tl.constexpr, PBS_IS_BS: tl.constexpr):
         # One tile of BLOCK_N keys against the program's rows, folded into the online sums (base 2: s is the
         # logit times log2(e), every sum is relative to the running max m_i and rescaled when it grows).
         # m_i starts at -1e30, not -inf, so the first tile needs no case of its own (alpha = 0, and
@@ -78,12 +95,10 @@ if triton is not None:
         cols = kstart + tl.arange(0, BLOCK_N)
         dd = tl.arange(0, D)
         if MASKED:
-            scol = _slot(KSL, kstart0, cols, cols < T, PBS, PAGED, True)
-            kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
+            kaddr = _kaddr(KSL, kstart0, cols, cols < T, BS, PBS, sk_b, sk_t, PAGED, PBS_IS_BS, True)
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=(cols < T)[:, None], other=0.0).to(q.dtype)
         else:
-            scol = _slot(KSL, kstart0, cols, cols < T, PBS, PAGED, False)
-            kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
+            kaddr = _kaddr(KSL, kstart0, cols, cols < T, BS, PBS, sk_b, sk_t, PAGED, PBS_IS_BS, False)
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :]).to(q.dtype)  # fp8: exact
         s = tl.dot(q, tl.trans(kt))  # the logits; c > 0 scales them to base 2 in the one FMA that gives d
         if D2 > 0:
@@ -141,13 +156,14 @@ if triton is not None:
 
     # Output strides are not specialised on (they vary with a launch's row count: a variant per divisibility
     # would compile mid-serving); Q and K strides are fixed per engine and are.
-    @triton.jit(do_not_specialize=["KS", "BS", "PBS", "HEADS", "GROUP", "NHG", "so_l", "so_r", "so_m", "so_h"])
-    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, WINP, CHP, CAPP, SINKP, KS, scale, BS, PBS,
+    @triton.jit(do_not_specialize=["KS", "BS", "HEADS", "GROUP", "NHG", "so_l", "so_r", "so_m", "so_h"])
+    def _row_metrics(Q, QR, CUQ, A, K, KSL, CUK, NP, VM, VC, OUT, KOFF, WINP, CHP, CAPP, SINKP, KS, scale, BS,
+                     PBS: tl.constexpr,
                      HEADS, GROUP, NHG, sq_l, sq_t, sq_h, sk_b, sk_t, sk_h, so_l, so_r, so_m, so_h,
                      HAS_VISION: tl.constexpr, OUT_BY_SLOT: tl.constexpr, LAYERED: tl.constexpr,
                      QR_TABLE: tl.constexpr, LOCAL: tl.constexpr, HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
                      ROW_NORM: tl.constexpr, ROW_S0: tl.constexpr, ROW_SK: tl.constexpr, ROW_VIS: tl.constexpr,
-                     ROW_LB: tl.constexpr, ROW_SINK: tl.constexpr, PAGED: tl.constexpr,
+                     ROW_LB: tl.constexpr, ROW_SINK: tl.constexpr, PAGED: tl.constexpr, PBS_IS_BS: tl.constexpr,
                      HG: tl.constexpr, D: tl.constexpr, D2: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_N: tl.constexpr):
         # Request b: its query rows are positions A[b] .. A[b] + n - 1 (n = CUQ[b+1] - CUQ[b]), read from Q
@@ -250,7 +266,7 @@ if triton is not None:
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
                     q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, True, 2, True, HAS_CAP, D, D2, BLOCK_N, PAGED)
+                    HAS_VISION, True, 2, True, HAS_CAP, D, D2, BLOCK_N, PAGED, PBS_IS_BS)
         else:
             # Loops with no branch inside (a branch per tile costs the loop its software pipelining): the
             # diagonal tiles are masked; the tiles before them are not, and only the one holding the prompt's
@@ -259,22 +275,22 @@ if triton is not None:
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
                     q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, False, 1, False, HAS_CAP, D, D2, BLOCK_N, PAGED)
+                    HAS_VISION, False, 1, False, HAS_CAP, D, D2, BLOCK_N, PAGED, PBS_IS_BS)
             for kstart in range(nf, nc, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
                     q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, False, 2, False, HAS_CAP, D, D2, BLOCK_N, PAGED)
+                    HAS_VISION, False, 2, False, HAS_CAP, D, D2, BLOCK_N, PAGED, PBS_IS_BS)
             for kstart in range(nc, lo, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
                     q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, False, 0, False, HAS_CAP, D, D2, BLOCK_N, PAGED)
+                    HAS_VISION, False, 0, False, HAS_CAP, D, D2, BLOCK_N, PAGED, PBS_IS_BS)
             for kstart in range(lo, hi, BLOCK_N):
                 m_i, l_i, h1, vis, ctx, gen, vcnt = _tile(
                     q, q2, K, KSL, VM, kstart0, kstart, T, rows, N, BS, PBS, koff, sk_b, sk_t, c,
                     m_i, l_i, h1, vis, ctx, gen, vcnt, lo_r, scale, cap,
-                    HAS_VISION, True, 2, False, HAS_CAP, D, D2, BLOCK_N, PAGED)
+                    HAS_VISION, True, 2, False, HAS_CAP, D, D2, BLOCK_N, PAGED, PBS_IS_BS)
         # The sink sums, once the max is final: the first KS keys again, in tiles of 16 (not a running sum
         # carried through every tile; rows before KS get NaN, so every sink key here is at or before its row).
         s0 = tl.zeros([BLOCK_M], tl.float32)
@@ -282,8 +298,7 @@ if triton is not None:
         for kstart in range(0, tl.minimum(KS, T), 16):
             cols = kstart + tl.arange(0, 16)
             ok = (cols < KS) & (cols < T)
-            scol = _slot(KSL, kstart0, cols, ok, PBS, PAGED, True)
-            kaddr = (scol // BS) * sk_b + (scol % BS) * sk_t
+            kaddr = _kaddr(KSL, kstart0, cols, ok, BS, PBS, sk_b, sk_t, PAGED, PBS_IS_BS, True)
             kt = tl.load(K + koff + kaddr[:, None] + dd[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
             sl = tl.dot(q, tl.trans(kt))
             if D2 > 0:
@@ -853,23 +868,27 @@ def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
     return heads, heads
 
 
-# Launch configuration: query rows per program (heads x rows), keys per tile, warps, pipeline stages.  The
-# defaults are the fastest of bench/flush_kernel.py's sweep on an H100 (docs/benchmarks/run10/: 128 rows per
-# program, 32 of each of 4 heads, once the sink sums left the key loop); settable there for the sweep.
-# (Per-shape configurations, faster for a 32 x 512-row flush alone, measured slower in the serving
-# benchmark: docs/benchmarks/run9/.)
+# Launch configuration: query rows per program (heads x rows), keys per tile, warps, pipeline stages.  Launches
+# whose keys come by block id of the cache's own block size (the stream's flushes of a text model: PBS_IS_BS, no
+# division per key) take 64 rows of 64 keys a program: the fastest of bench/flush_kernel.py's sweep on an H200
+# (docs/benchmarks/flush-kernel-paged-sweep-h200.json), x0.84 / x0.93 / x0.60 / x0.90 of 128 x 128's time on 32 x
+# 512 prefill rows, 256 x 64 decode rows, 256 x 2 finish rows and 32 x 768 rows, level on 8 x 2048, x1.07 on
+# 2 x 8192 alone.  Launches by key slot (taps, a flush with images) keep 128 x 128, the H100 sweep's choice (run 10
+# of docs/benchmarks/history.md): there 64 x 64 took x1.5 its time.  (Per-shape configurations were measured
+# slower in the serving benchmark, run 9: a flush launch mixes requests of every length, and each configuration
+# is another compiled kernel.)  Settable here for the sweep (both paths).
 CONFIG: dict[str, int] = {}
 
 
-def _config(hg: int, d: int) -> tuple[int, int, int, int]:
+def _config(hg: int, d: int, by_block: bool) -> tuple[int, int, int, int]:
     if d > 256:  # MLA's 576-wide latent rows: a smaller tile (the query block alone is 64 x 576 values)
         block_m = int(CONFIG.get("block_m", 64))
         block_r = max(block_m // hg, max(1, 16 // hg))
         return (block_r, int(CONFIG.get("block_n", 32)), int(CONFIG.get("num_warps", 8)),
                 int(CONFIG.get("num_stages", 2)))
-    block_m = int(CONFIG.get("block_m", 128))
+    block_m = int(CONFIG.get("block_m", 64 if by_block else 128))
     block_r = max(16, block_m // hg)
-    return (block_r, int(CONFIG.get("block_n", 128 if d <= 128 else 64)), int(CONFIG.get("num_warps", 4)),
+    return (block_r, int(CONFIG.get("block_n", 64 if by_block or d > 128 else 128)), int(CONFIG.get("num_warps", 4)),
             int(CONFIG.get("num_stages", 2)))
 
 
@@ -974,7 +993,8 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
     vm = vision_mask if has_vision else out  # unused pointers
     vc = vision_count if has_vision else out
     heads, hg = _heads_per_program(hq, hkv)
-    block_r, block_n, warps, stages = _config(hg, d)
+    by_block = bool(paged) and int(paged) == int(key_cache.shape[1])
+    block_r, block_n, warps, stages = _config(hg, d, by_block)
     n_layers, koff, sq_l, so_l = layers if layers is not None else (1, out, 0, 0)
     grid = (triton.cdiv(max(int(max_rows), 1), block_r), n_layers * (hq // heads), B)
     if terms is not None and terms.window.shape[0] != n_layers:
@@ -996,6 +1016,7 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
                        QR_TABLE=bool(qr_table), LOCAL=terms is not None and terms.local,
                        HAS_CAP=terms is not None and terms.has_cap,
                        HAS_SINKS=terms is not None and terms.sinks is not None, **at, PAGED=bool(paged),
+                       PBS_IS_BS=by_block,
                        HG=hg, D=split[0],
                        D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 

@@ -9,7 +9,7 @@ the prefill shapes (square, causal) with torch's SDPA on the same device, the me
 attention it summarises (``attention``: ms of each and their ratio; ``peak_share``: the kernel's evaluations per
 second against the device's exponentials per second, one per (row, key, head) as in FlashAttention's softmax).
 
-    python3 bench/flush_kernel.py [--sweep] [--module PATH] [--attention] [--out DIR]
+    python3 bench/flush_kernel.py [--sweep] [--module PATH] [--attention] [--paged] [--out DIR]
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ SHAPES = {
 }
 
 
-def _inputs(reqs: int, first: int, n: int, prompt: int, device="cuda"):
+def _inputs(reqs: int, first: int, n: int, prompt: int, paged: bool = False, device="cuda"):
+    """One launch's arguments, keyword arguments and (row, key, head) evaluations.  ``paged``: the keys as the
+    serving stream gives them (``ATTN_OTEL_FLUSH_KEYS=blocks``, the default): each request's block ids, and each
+    row's query found through a slot -> row table; else one slot per key and a row index per row."""
     T = first + n
     nb = (T + BS - 1) // BS
     blocks = reqs * nb
@@ -55,8 +58,17 @@ def _inputs(reqs: int, first: int, n: int, prompt: int, device="cuda"):
     firsts = torch.full((reqs,), first, **i32)
     prompts = torch.full((reqs,), prompt, **i32)
     out = torch.empty((blocks * BS + 1, 7, H), dtype=torch.float16, device=device)
+    kw = {}
+    if paged:
+        key_slots = perm  # request b's blocks at cu_keys[b] .., nb of them
+        cu_keys = torch.arange(reqs + 1, **i32) * nb
+        table = torch.zeros(blocks * BS + 1, dtype=torch.int64, device=device)
+        row_slots = torch.cat([perm[b * nb:(b + 1) * nb][pos[first:] // BS] * BS + pos[first:] % BS
+                               for b in range(reqs)])
+        table[row_slots] = q_rows
+        kw = dict(row_table=table, paged=BS)
     return (ring, q_rows, cu_rows, firsts, key_cache, key_slots, cu_keys, prompts, n, D ** -0.5, 4, None, None,
-            out), reqs * H * sum(first + i + 1 for i in range(n))
+            out), kw, reqs * H * sum(first + i + 1 for i in range(n))
 
 
 def _ms(fn, reps: int) -> float:
@@ -72,8 +84,8 @@ def _ms(fn, reps: int) -> float:
     return a.elapsed_time(b) / reps
 
 
-def _time(mod, args, reps: int) -> float:
-    return _ms(lambda: mod.row_metrics_stream(*args), reps)
+def _time(mod, args, kw, reps: int) -> float:
+    return _ms(lambda: mod.row_metrics_stream(*args, **kw), reps)
 
 
 def _attention_ms(reqs: int, n: int, reps: int) -> tuple[float, str]:
@@ -134,12 +146,17 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", help="JSON list of launch configurations to try (instead of --sweep's grid)")
     ap.add_argument("--attention", action="store_true", help="also time SDPA's causal attention on the prefill shapes")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--shape", action="append", choices=list(SHAPES), help="only these shapes (e.g. under ncu)")
+    ap.add_argument("--paged", action="store_true",
+                    help="keys by block id and rows through a slot table, as the serving stream launches it")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    inputs = {name: _inputs(*shape) for name, shape in SHAPES.items()}
-    results = {"device": torch.cuda.get_device_name(0), "shapes": {k: list(v) for k, v in SHAPES.items()},
-               "runs": []}
+    inputs = {name: _inputs(*shape, paged=args.paged) for name, shape in SHAPES.items()
+              if not args.shape or name in args.shape}
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", "")
+    results = {"device": torch.cuda.get_device_name(0), "gpu": f"GPU-{uuid}" if uuid else "", "shapes": {k: list(v) for k, v in SHAPES.items()},
+               "keys": "blocks" if args.paged else "slots", "runs": []}
     mods = [("current", None)] + [(Path(m).name, m) for m in args.module]
     configs = [{}]
     if args.sweep:
@@ -155,8 +172,8 @@ def main(argv=None) -> int:
                 mod.CONFIG.update(cfg)
             row = {"kernel": label, "config": cfg, "ms": {}, "g_evals_per_s": {}}
             try:
-                for name, (a, evals) in inputs.items():
-                    ms = _time(mod, a, args.reps)
+                for name, (a, kw, evals) in inputs.items():
+                    ms = _time(mod, a, kw, args.reps)
                     row["ms"][name] = ms
                     row["g_evals_per_s"][name] = evals / ms / 1e6
             except Exception as e:  # noqa: BLE001 - a configuration that does not compile
@@ -175,13 +192,14 @@ def main(argv=None) -> int:
         results["peak_share"] = {k: v * 1e9 / peak for k, v in cur["g_evals_per_s"].items()}
         results["attention"] = {}
         for name, (reqs, first, n, _prompt) in SHAPES.items():
-            if first == 0 and name.startswith("prefill"):
+            if name in inputs and first == 0 and name.startswith("prefill"):
                 ms, backend = _attention_ms(reqs, n, args.reps)
                 results["attention"][name] = {"sdpa_ms": ms, "sdpa_backend": backend, "metric_ms": cur["ms"][name],
                                               "metric_over_attention": cur["ms"][name] / ms}
         print("attention", json.dumps(results["attention"]), "peak share",
               {k: round(v, 3) for k, v in results["peak_share"].items()}, flush=True)
-    (args.out / "flush_kernel.json").write_text(json.dumps(results, indent=1))
+    (args.out / ("flush_kernel-paged.json" if args.paged else "flush_kernel.json")).write_text(
+        json.dumps(results, indent=1))
     return 0
 
 

@@ -244,7 +244,8 @@ def test_the_kernel_compiles_for_an_h100(flags):
 
     rows = slot_rows([_spec(0, 0, 0.0, [0.0] if sinks else None, 4)], vision) if by_slot else None
     consts = dict(HAS_VISION=vision, OUT_BY_SLOT=by_slot, LAYERED=layered, LOCAL=local, HAS_CAP=cap,
-                  HAS_SINKS=sinks, **tm._rows_at(rows), PAGED=paged, QR_TABLE=by_slot, HG=4, D=64, D2=0,
+                  HAS_SINKS=sinks, **tm._rows_at(rows), PAGED=paged, PBS=16 if paged else 1, PBS_IS_BS=paged,
+                  QR_TABLE=by_slot, HG=4, D=64, D2=0,
                   BLOCK_R=32, BLOCK_N=128)
     assert set(consts) <= set(fn.arg_names)
     ptrs = {"Q": "*bf16", "K": "*bf16", "QR": "*i64", "KSL": "*i64", "KOFF": "*i64", "VM": "*fp32", "VC": "*fp32",
