@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+from cuda_time import device_ms  # bench/, the script's folder
 
 H, HKV, D, BS = 32, 8, 128, 16
 # name: (requests, first row position, rows per request, prompt length)
@@ -71,21 +72,8 @@ def _inputs(reqs: int, first: int, n: int, prompt: int, paged: bool = False, dev
             out), kw, reqs * H * sum(first + i + 1 for i in range(n))
 
 
-def _ms(fn, reps: int) -> float:
-    """Milliseconds a call of ``fn`` takes on the device, CUDA events around ``reps`` calls after a first one."""
-    fn()  # compile, warm
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
-
-
 def _time(mod, args, kw, reps: int) -> float:
-    return _ms(lambda: mod.row_metrics_stream(*args, **kw), reps)
+    return device_ms(lambda: mod.row_metrics_stream(*args, **kw), reps)
 
 
 def _attention_ms(reqs: int, n: int, reps: int) -> tuple[float, str]:
@@ -102,8 +90,8 @@ def _attention_ms(reqs: int, n: int, reps: int) -> tuple[float, str]:
     for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         try:
             with sdpa_kernel([backend]):
-                return _ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                           reps), backend.name
+                return device_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                                 reps), backend.name
         except RuntimeError:
             continue
     raise RuntimeError("no SDPA backend ran the shape")
@@ -155,8 +143,9 @@ def main(argv=None) -> int:
     inputs = {name: _inputs(*shape, paged=args.paged) for name, shape in SHAPES.items()
               if not args.shape or name in args.shape}
     uuid = getattr(torch.cuda.get_device_properties(0), "uuid", "")
-    results = {"device": torch.cuda.get_device_name(0), "gpu": f"GPU-{uuid}" if uuid else "", "shapes": {k: list(v) for k, v in SHAPES.items()},
-               "keys": "blocks" if args.paged else "slots", "runs": []}
+    results = {"device": torch.cuda.get_device_name(0), "gpu": f"GPU-{uuid}" if uuid else "",
+               "shapes": {k: list(v) for k, v in SHAPES.items()}, "keys": "blocks" if args.paged else "slots",
+               "runs": []}
     mods = [("current", None)] + [(Path(m).name, m) for m in args.module]
     configs = [{}]
     if args.sweep:

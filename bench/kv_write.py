@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from cuda_time import device_ms  # bench/, the script's folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -67,15 +68,7 @@ def measure(n: int, fused: bool, reps: int = 200) -> tuple[float, list[torch.Ten
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(graph):
         _forward(fused, *args)
-    for _ in range(10):
-        graph.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps, [args[4][0], args[4][-1], args[5]]
+    return device_ms(graph.replay, reps, warmups=10), [args[4][0], args[4][-1], args[5]]
 
 
 def main() -> None:

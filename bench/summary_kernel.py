@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from cuda_time import device_ms  # bench/, the script's folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -48,14 +49,7 @@ def _time(mod, rows: torch.Tensor, reps: int) -> tuple[float, torch.Tensor]:
     prompts = [PROMPT] * REQUESTS
     out = torch.full((REQUESTS, 2, M, 4, rows.shape[0], H), float("nan"), device="cuda")
     assert mod.summaries(rows, cu, prompts, False, QUANTILES, out)  # compile, warm
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        mod.summaries(rows, cu, prompts, False, QUANTILES, out)
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps, out
+    return device_ms(lambda: mod.summaries(rows, cu, prompts, False, QUANTILES, out), reps, warmups=0), out
 
 
 def main(argv=None) -> int:
