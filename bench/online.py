@@ -65,11 +65,12 @@ def start_server(model_dir: str, env: dict, log: Path) -> subprocess.Popen:
     raise RuntimeError("the server did not come up in 10 minutes")
 
 
-def engine_core_pid(proc: subprocess.Popen) -> int | None:
-    """The pid of the server's engine-core process (vLLM titles it ``VLLM::EngineCore``)."""
+def engine_core_pid(root: int) -> int | None:
+    """The pid of the engine-core process (vLLM titles it ``VLLM::EngineCore``) below process ``root`` (the
+    server's, or an offline ``LLM``'s own)."""
     import psutil
 
-    for child in psutil.Process(proc.pid).children(recursive=True):
+    for child in psutil.Process(root).children(recursive=True):
         try:
             if "EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline()):
                 return child.pid
@@ -79,20 +80,24 @@ def engine_core_pid(proc: subprocess.Popen) -> int | None:
 
 
 class HostProfile:
-    """py-spy sampling the engine-core process (every thread, idle included) while a block runs, when
-    ``BENCH_PYSPY`` names a py-spy binary: its collapsed stacks go to ``path`` (bench/host_profile.py reads
-    them).  A py-spy that cannot attach (no ptrace rights) is reported and the run goes on unprofiled."""
+    """py-spy sampling the engine-core process below ``root`` (a server's Popen, or a pid) while a block runs,
+    when ``BENCH_PYSPY`` names a py-spy binary: every thread, idle included, or with ``BENCH_PYSPY_GIL=1`` only
+    the thread holding the GIL at each sample (so each thread's samples are its share of the GIL).  The
+    collapsed stacks go to ``path`` (bench/host_profile.py reads them).  A py-spy that cannot attach (no ptrace
+    rights) is reported and the run goes on unprofiled."""
 
-    def __init__(self, proc: subprocess.Popen, path: Path, rate: int = 200) -> None:
-        self.proc, self.path, self.rate, self.spy = proc, path, rate, None
+    def __init__(self, root: subprocess.Popen | int, path: Path, rate: int = 200) -> None:
+        self.root = root if isinstance(root, int) else root.pid
+        self.path, self.rate, self.spy = path, rate, None
 
     def __enter__(self):
         exe = os.environ.get("BENCH_PYSPY")
-        pid = engine_core_pid(self.proc) if exe else None
+        pid = engine_core_pid(self.root) if exe else None
         if exe and pid is None:
             print("[host profile] no engine-core process found; not profiled", flush=True)
         if pid is not None:
-            self.spy = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", "--idle", "--nonblocking",
+            which = "--gil" if os.environ.get("BENCH_PYSPY_GIL") == "1" else "--idle"
+            self.spy = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", which, "--nonblocking",
                                          "--rate", str(self.rate), "--format", "raw", "--output", str(self.path)],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             time.sleep(1.0)

@@ -23,7 +23,8 @@ Phases can run in separate calls (results go to DIR/phase-*.json and DIR/online-
 ``--report``.
 
 Where the online latency goes: ``BENCH_PYSPY=/path/to/py-spy`` samples the server's engine-core process
-during the measured runs (DIR/pyspy-online-PHASE.txt; ``bench/host_profile.py`` summarises it), and
+during the measured runs (DIR/pyspy-online-PHASE.txt; offline, DIR/pyspy-PHASE-WORKLOAD.txt;
+``bench/host_profile.py`` summarises it; ``BENCH_PYSPY_GIL=1``: only the thread holding the GIL), and
 ``--capacity REQ_S`` loads at 80% of a capacity measured before instead of measuring it again:
 
     BENCH_PYSPY=/tmp/pyspy/bin/py-spy python3 bench/overhead.py --online off --online default --capacity 39.47 --out DIR
@@ -239,7 +240,8 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
     before = _latest_stats(stats_dir)
     for wl in wls:
         warm = _run_workload(llm, wl, 0.0, seed=99)  # warm-up (prefix cache stays cold: other seeds below)
-        runs = [_run_workload(llm, wl, 0.0, seed=s) for s in range(repeats)]
+        with online.HostProfile(os.getpid(), out / f"pyspy-{phase}-{wl}.txt"):  # with BENCH_PYSPY set
+            runs = [_run_workload(llm, wl, 0.0, seed=s) for s in range(repeats)]
         best = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
         result["runs"][wl] = best | {"all_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
         print(f"[{phase}] {wl}: {best['output_tokens_per_s']:.0f} tok/s "
