@@ -87,7 +87,10 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              # a query ring twice the server's 8,192-token step: a full step then never waits for the flush of
              # the rows before it (run 22: the tail is per-step host work; the flushes' share is in the stats'
              # stream_flush_times)
-             "default-rows16k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "16384"}}
+             "default-rows16k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "16384"},
+             # offline the engine's step is up to 16,384 tokens and the ring as many rows: twice that (session 59:
+             # 103 of the mixed workload's 175 forwards that waited on the side stream waited for the ring)
+             "default-rows32k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "32768"}}
 EXTRA_ENV: dict[str, str] = {}  # --env: one switch on top of every phase that captures (an A/B on one machine)
 
 
