@@ -273,19 +273,19 @@ def test_the_kernel_compiles_for_an_h100(flags):
 
     fn = tm._row_metrics
     layered, local, cap, sinks, vision, by_slot, paged = flags
+    block_r, block_n, warps, stages = tm._config(4, 64, paged)  # the launch configuration these launches ship with
     # the stream's per-slot rows (a text model's, or one that takes images) or every metric
     from attn_otel.stream import slot_rows
 
     rows = slot_rows([_spec(0, 0, 0.0, [0.0] if sinks else None, 4)], vision) if by_slot else None
     consts = dict(HAS_VISION=vision, OUT_BY_SLOT=by_slot, LAYERED=layered, LOCAL=local, HAS_CAP=cap,
                   HAS_SINKS=sinks, **tm._rows_at(rows), PAGED=paged, PBS=16 if paged else 1, PBS_IS_BS=paged,
-                  QR_TABLE=by_slot, HG=4, D=64, D2=0,
-                  BLOCK_R=32, BLOCK_N=128)
+                  QR_TABLE=by_slot, HG=4, D=64, D2=0, BLOCK_R=block_r, BLOCK_N=block_n)
     assert set(consts) <= set(fn.arg_names)
     ptrs = {"Q": "*bf16", "K": "*bf16", "QR": "*i64", "KSL": "*i64", "KOFF": "*i64", "VM": "*fp32", "VC": "*fp32",
             "OUT": "*fp16" if by_slot else "*fp32", "CAPP": "*fp32", "SINKP": "*fp32", "scale": "fp32",
             **{p: "*i32" for p in ("CUQ", "A", "CUK", "NP", "WINP", "CHP")}}
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
     assert compiled.asm["cubin"] and "_row_metrics" in compiled.asm["ptx"]
