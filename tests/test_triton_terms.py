@@ -145,70 +145,47 @@ def cases(device: str) -> dict[str, dict]:
     # slot -> ring-row table the forwards wrote; two requests, one far into its decode, one whose rows are all
     # pending, their blocks shuffled among each other's
     perm = torch.randperm(blocks, generator=g)
-    reqs = [(150, 90, 60, perm[:11]), (40, 0, 25, perm[11:14])]  # (keys, first pending row, prompt, blocks)
-    table = torch.full((blocks * BS + 1,), R, dtype=torch.int64, device=dev)
-    free = torch.randperm(R, generator=g).to(dev)
-    req_slots, used = [], 0
-    for Tb, fb, _, bl in reqs:
-        pos = torch.arange(Tb)
-        sl = (bl[pos // BS] * BS + pos % BS).to(dev)
-        table[sl[fb:]] = free[used:used + Tb - fb]
-        used += Tb - fb
-        req_slots.append(sl)
-    metrics = torch.full((L, blocks * BS + 1, len(kept), hq), float("nan"), dtype=torch.float32, device=dev)
-    counts = [Tb - fb for Tb, fb, _, _ in reqs]
-    tm.row_metrics_stream_layers(
-        q_ring, None, torch.tensor([0, counts[0], sum(counts)], **i32), torch.tensor([fb for _, fb, _, _ in reqs], **i32),
-        [caches[i] for i in range(L)], torch.tensor(offs, dtype=torch.int64, device=dev),
-        torch.cat([bl for *_, bl in reqs]).to(dev), torch.tensor([0, 11, 14], **i32),
-        torch.tensor([nb for _, _, nb, _ in reqs], **i32), max(counts), scale, 4, None, None, metrics,
-        terms=tm.terms([_spec(*lt, hq) for lt in layer_terms], dev), rows=kept, row_table=table, paged=BS)
-    for b, ((Tb, fb, nb, _), sl) in enumerate(zip(reqs, req_slots)):
-        for li, lt in enumerate(layer_terms):
-            kk = caches[li].reshape(-1, hkv, d)[sl].float()
-            qq = torch.zeros(Tb, hq, d, device=dev)
-            qq[fb:] = q_ring[li][table[sl[fb:]]].float()
-            ref = attention_metrics(qq, kk, scale, nb, 4, start=fb, **_ref_terms(*lt, dev))[:, :, fb:]
-            ref = ref[[METRICS.index(n) for n in kept]]
-            got = metrics[li][sl[fb:]].permute(1, 2, 0)
-            if lt[3] is None:
-                assert torch.isnan(got[-1]).all()
-                got, ref = got[:-1], ref[:-1]
-            res[f"paged/request{b}/layer{li}"] = _compare(got, ref)
+    free = torch.randperm(R, generator=g).to(dev)  # ring rows, handed out to the pending rows in order
 
+    def paged_flush(name: str, pb: int, reqs: list) -> None:
+        """Launch the flush of ``reqs`` ((keys, first pending row, prompt, block ids of ``pb`` positions)) with
+        keys by block id and compare each request's rows on every layer."""
+        table = torch.full((blocks * BS + 1,), R, dtype=torch.int64, device=dev)
+        req_slots, used = [], 0
+        for Tb, fb, _, bl in reqs:
+            pos = torch.arange(Tb)
+            sl = (bl[pos // pb] * pb + pos % pb).to(dev)
+            table[sl[fb:]] = free[used:used + Tb - fb]
+            used += Tb - fb
+            req_slots.append(sl)
+        metrics = torch.full((L, blocks * BS + 1, len(kept), hq), float("nan"), dtype=torch.float32, device=dev)
+        counts = [Tb - fb for Tb, fb, _, _ in reqs]
+        cu_blocks = [0, *torch.tensor([len(bl) for *_, bl in reqs]).cumsum(0).tolist()]
+        tm.row_metrics_stream_layers(
+            q_ring, None, torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], **i32),
+            torch.tensor([fb for _, fb, _, _ in reqs], **i32), [caches[i] for i in range(L)],
+            torch.tensor(offs, dtype=torch.int64, device=dev), torch.cat([bl for *_, bl in reqs]).to(dev),
+            torch.tensor(cu_blocks, **i32), torch.tensor([nb for _, _, nb, _ in reqs], **i32), max(counts), scale, 4,
+            None, None, metrics, terms=tm.terms([_spec(*lt, hq) for lt in layer_terms], dev), rows=kept,
+            row_table=table, paged=pb)
+        for b, ((Tb, fb, nb, _), sl) in enumerate(zip(reqs, req_slots)):
+            for li, lt in enumerate(layer_terms):
+                kk = caches[li].reshape(-1, hkv, d)[sl].float()
+                qq = torch.zeros(Tb, hq, d, device=dev)
+                qq[fb:] = q_ring[li][table[sl[fb:]]].float()
+                ref = attention_metrics(qq, kk, scale, nb, 4, start=fb, **_ref_terms(*lt, dev))[:, :, fb:]
+                ref = ref[[METRICS.index(n) for n in kept]]
+                got = metrics[li][sl[fb:]].permute(1, 2, 0)
+                if lt[3] is None:
+                    assert torch.isnan(got[-1]).all()
+                    got, ref = got[:-1], ref[:-1]
+                res[f"{name}/request{b}/layer{li}"] = _compare(got, ref)
+
+    paged_flush("paged", BS, [(150, 90, 60, perm[:11]), (40, 0, 25, perm[11:14])])
     # block ids of twice the cache's block size (a manager's block over two of the kernel's, as hybrids' caches
     # may have them): the kernel's general path, each key's slot split again by the cache's block size
-    PB = 2 * BS
     mperm = torch.randperm(blocks // 2, generator=g)
-    reqs2 = [(150, 90, 60, mperm[:5]), (40, 0, 25, mperm[5:7])]
-    table2 = torch.full((blocks * BS + 1,), R, dtype=torch.int64, device=dev)
-    req_slots2, used = [], 0
-    for Tb, fb, _, bl in reqs2:
-        pos = torch.arange(Tb)
-        sl = (bl[pos // PB] * PB + pos % PB).to(dev)
-        table2[sl[fb:]] = free[used:used + Tb - fb]
-        used += Tb - fb
-        req_slots2.append(sl)
-    metrics = torch.full((L, blocks * BS + 1, len(kept), hq), float("nan"), dtype=torch.float32, device=dev)
-    counts = [Tb - fb for Tb, fb, _, _ in reqs2]
-    tm.row_metrics_stream_layers(
-        q_ring, None, torch.tensor([0, counts[0], sum(counts)], **i32), torch.tensor([fb for _, fb, _, _ in reqs2], **i32),
-        [caches[i] for i in range(L)], torch.tensor(offs, dtype=torch.int64, device=dev),
-        torch.cat([bl for *_, bl in reqs2]).to(dev), torch.tensor([0, 5, 7], **i32),
-        torch.tensor([nb for _, _, nb, _ in reqs2], **i32), max(counts), scale, 4, None, None, metrics,
-        terms=tm.terms([_spec(*lt, hq) for lt in layer_terms], dev), rows=kept, row_table=table2, paged=PB)
-    for b, ((Tb, fb, nb, _), sl) in enumerate(zip(reqs2, req_slots2)):
-        for li, lt in enumerate(layer_terms):
-            kk = caches[li].reshape(-1, hkv, d)[sl].float()
-            qq = torch.zeros(Tb, hq, d, device=dev)
-            qq[fb:] = q_ring[li][table2[sl[fb:]]].float()
-            ref = attention_metrics(qq, kk, scale, nb, 4, start=fb, **_ref_terms(*lt, dev))[:, :, fb:]
-            ref = ref[[METRICS.index(n) for n in kept]]
-            got = metrics[li][sl[fb:]].permute(1, 2, 0)
-            if lt[3] is None:
-                assert torch.isnan(got[-1]).all()
-                got, ref = got[:-1], ref[:-1]
-            res[f"paged{PB}/request{b}/layer{li}"] = _compare(got, ref)
+    paged_flush(f"paged{2 * BS}", 2 * BS, [(150, 90, 60, mperm[:5]), (40, 0, 25, mperm[5:7])])
 
     # the same flush for a model that takes images: the per-slot rows keep the vision pair; a request with an
     # image, one layer at a time (row_metrics_stream), a plain layer and a windowed one with sinks
