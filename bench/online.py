@@ -80,15 +80,14 @@ def engine_core_pid(root: int) -> int | None:
 
 
 class HostProfile:
-    """py-spy sampling the engine-core process below ``root`` (a server's Popen, or a pid) while a block runs,
+    """py-spy sampling the engine-core process below process ``root`` (a server's, or this one) while a block runs,
     when ``BENCH_PYSPY`` names a py-spy binary: every thread, idle included, or with ``BENCH_PYSPY_GIL=1`` only
     the thread holding the GIL at each sample (so each thread's samples are its share of the GIL).  The
     collapsed stacks go to ``path`` (bench/host_profile.py reads them).  A py-spy that cannot attach (no ptrace
     rights) is reported and the run goes on unprofiled."""
 
-    def __init__(self, root: subprocess.Popen | int, path: Path, rate: int = 200) -> None:
-        self.root = root if isinstance(root, int) else root.pid
-        self.path, self.rate, self.spy = path, rate, None
+    def __init__(self, root: int, path: Path, rate: int = 200) -> None:
+        self.root, self.path, self.rate, self.spy = root, path, rate, None
 
     def __enter__(self):
         exe = os.environ.get("BENCH_PYSPY")

@@ -392,7 +392,7 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
             result["capacity_req_s"] = json.loads((out / "online-off.json").read_text())["capacity_req_s"]
         rate = online.LOAD * result["capacity_req_s"]
         online.run_load(rate, seed=97, n=online.REQUESTS // 4)  # warm-up at the measured rate
-        with online.HostProfile(proc, out / f"pyspy-online-{phase}.txt"):  # with BENCH_PYSPY set
+        with online.HostProfile(proc.pid, out / f"pyspy-online-{phase}.txt"):  # with BENCH_PYSPY set
             result["runs"] = [online.run_load(rate, seed=s) for s in range(repeats)]
         for r in result["runs"]:
             print(f"[online {phase}] {r['output_tokens_per_s']:.0f} tok/s, TTFT p99 {r['ttft_p99_s']:.3f} s, "
