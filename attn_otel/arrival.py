@@ -25,6 +25,20 @@ from .ids import maps_sampled, new_trace_id, parse_traceparent
 
 TRACE_ID_KEY = "attn_otel_trace_id"  # the trace id chosen at arrival (a request without a traceparent)
 MAPS_KEY = "attn_otel_maps_planned"  # True: the workers keep this request's queries for its maps
+_MAP_TOKENS: list[int] = []  # the longest request that can get maps, as this process's worker planned it
+
+
+def publish_map_tokens(limit: int) -> None:
+    """The longest request that can get maps (:meth:`attn_otel.plan.Planner.map_tokens`), published by the
+    worker of this process, so that the scheduler's arrival decision agrees with the finish's.  A scheduler
+    whose workers run in other processes (tensor or pipeline parallel) does not see it and decides by
+    ``ATTN_OTEL_MAX_MAP_TOKENS`` alone; the finish still declines what does not fit (``map_too_long``)."""
+    _MAP_TOKENS[:] = [int(limit)]
+
+
+def map_tokens(config: Config) -> int:
+    """The arrival's limit on a maps request's prompt: the published one, else ``ATTN_OTEL_MAX_MAP_TOKENS``."""
+    return min(_MAP_TOKENS[0], config.max_map_tokens) if _MAP_TOKENS else config.max_map_tokens
 
 
 def decide(extra_args: Mapping[str, Any] | None, prompt_len: int, config: Config) -> tuple[dict[str, Any] | None, bool]:
@@ -39,7 +53,7 @@ def decide(extra_args: Mapping[str, Any] | None, prompt_len: int, config: Config
     parsed = parse_traceparent(opts.traceparent) if opts.traceparent else None
     trace_id = parsed[0] if parsed else new_trace_id()
     maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, config.maps_sample))
-    maps = maps and 0 < int(prompt_len) <= config.max_map_tokens
+    maps = maps and 0 < int(prompt_len) <= map_tokens(config)
     extra[TRACE_ID_KEY] = trace_id
     extra[MAPS_KEY] = bool(maps)
     return extra, bool(maps)

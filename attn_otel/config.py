@@ -79,7 +79,9 @@ as the capture's ``reconstruction`` attribute (median, p99, max).  ``0`` (defaul
 
 ATTN_OTEL_MAX_MAP_TOKENS = "ATTN_OTEL_MAX_MAP_TOKENS"
 """Requests longer than this many tokens get metrics but no maps (a counted ``map_too_long`` skip): a map
-is ``layers * heads * T * T * 2`` bytes.  Default 8192."""
+is ``layers * heads * T * T * 2`` bytes.  Default 8192.  Requests whose capture with maps could never fit the
+hand-off's share for maps (``ATTN_OTEL_QUEUE_BYTES``) are declined the same way
+(:func:`attn_otel.plan.map_token_limit`)."""
 
 ATTN_OTEL_QUEUE_BYTES = "ATTN_OTEL_QUEUE_BYTES"
 """Bound, in bytes, on captures waiting for the writer.  A capture that would exceed it is dropped and

@@ -6,6 +6,8 @@ pipeline parallelism."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import time
 from typing import Any, Sequence
 
@@ -23,6 +25,29 @@ from .store import CaptureRecord
 from .stream import MetricsStream
 from .tap import LayerSpec, MapTap
 from .tracking import FinishedRequest, Parallel
+
+logger = logging.getLogger("attn_otel")
+
+
+def maps_bytes(T: int, layers: int, heads: int) -> int:
+    """Hand-off bytes of a capture with maps: ``layers * heads`` float16 maps of ``T x T`` and the float32
+    per-row metrics beside them."""
+    return layers * heads * T * (T * 2 + len(METRICS) * 4)
+
+
+def map_token_limit(max_tokens: int, room: int, layers: int, heads: int) -> int:
+    """The longest request, in tokens, that can get maps: at most ``max_tokens`` (ATTN_OTEL_MAX_MAP_TOKENS),
+    and no longer than a capture of ``layers * heads`` maps that fits ``room``, the hand-off bytes maps may
+    hold (ATTN_OTEL_QUEUE_BYTES less the room kept for captures without maps)."""
+    if layers <= 0 or heads <= 0:
+        return max_tokens
+    a, b = 2 * layers * heads, len(METRICS) * 4 * layers * heads  # a T^2 + b T <= room
+    t = max(0, int((math.sqrt(b * b + 4 * a * max(room, 0)) - b) / (2 * a)))
+    while t > 0 and maps_bytes(t, layers, heads) > room:  # the square root's rounding, either way
+        t -= 1
+    while maps_bytes(t + 1, layers, heads) <= room:
+        t += 1
+    return min(max_tokens, t)
 
 
 @dataclasses.dataclass
@@ -64,6 +89,23 @@ class Planner:
         self.model = model
         self.engine_version = engine_version
         self.attrs = dict(attrs or {})
+        self.maps_room = handoff.capacity - handoff.maps_headroom  # the hand-off bytes maps may hold
+        self.heads = max((s.num_heads for s in self.layers), default=0)  # this rank's
+        tapped = self.layer_ids if parallel is None else parallel.capture_layers
+        limit = self.map_tokens(tapped)
+        arrival.publish_map_tokens(limit)  # the scheduler of this process declines longer prompts at arrival
+        if self.map_layers and limit < config.max_map_tokens:
+            logger.info("attn-otel: maps for requests of up to %d tokens: a capture with maps of %d layers x %d "
+                        "heads any longer would not fit the %d MiB of ATTN_OTEL_QUEUE_BYTES maps may hold (longer "
+                        "ones get metrics, counted as map_too_long; ATTN_OTEL_MAX_MAP_TOKENS is %d)", limit,
+                        sum(1 for x in tapped if x in self.map_layers), self.heads, self.maps_room >> 20,
+                        config.max_map_tokens)
+
+    def map_tokens(self, wanted: Sequence[int]) -> int:
+        """The longest request that can get maps of the map layers among ``wanted`` (the capture's layers on
+        every stage, so that every rank of a parallel engine decides alike): :func:`map_token_limit`."""
+        n = sum(1 for x in wanted if x in self.map_layers)
+        return map_token_limit(self.config.max_map_tokens, self.maps_room, n, self.heads)
 
     def options(self, req: FinishedRequest) -> RequestOptions:
         opts = parse_request_options(req.extra_args)
@@ -109,7 +151,7 @@ class Planner:
             trace_id, parent = parse_traceparent(opts.traceparent)  # type: ignore[misc]
             sampled = traceparent_sampled(opts.traceparent)
         want_maps = opts.mode == "maps" or (opts.mode is None and maps_sampled(trace_id, self.config.maps_sample))
-        if want_maps and T > self.config.max_map_tokens:
+        if want_maps and T > self.map_tokens(wanted):
             self.stats.add("skipped", reason="map_too_long")
             want_maps = False
         if planned_maps is not None:  # the arrival decision stands (it knew the prompt's length only)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import attn_otel
+from attn_otel import arrival
 from attn_otel.capture import CaptureEngine
 from attn_otel.tap import LayerSpec
 from attn_otel.tracking import FinishedRequest
@@ -55,12 +56,40 @@ def test_a_capture_that_does_not_fit_the_queue_is_dropped_and_counted(tmp_path):
     assert s["dropped"] == {"queue_full": 1} and s["stored"] == 0 and s["captured"] == 0
 
 
-def test_maps_that_do_not_fit_fall_back_to_metrics(tmp_path):
-    eng = _engine(tmp_path, queue_bytes=50_000)  # metrics of T=100 fit (12.8 kB), with maps (+80 kB) not
+def test_maps_that_never_fit_the_queue_are_declined_as_too_long(tmp_path):
+    # one 4-head layer: a capture with maps takes 4 * T * (2 T + 4 len(METRICS)) bytes; the maps' share of a
+    # 50 kB queue (less the eighth kept for captures without maps) holds them up to T = 66, not 100
+    eng = _engine(tmp_path, queue_bytes=50_000)
+    room = 50_000 - int(50_000 * MAPS_HEADROOM)
+    limit = max(T for T in range(1, 200) if 4 * T * (2 * T + 4 * len(METRICS)) <= room)
+    assert eng.planner.map_tokens((0,)) == limit < 100
+    assert arrival.map_tokens(eng.config) == limit  # published: the scheduler declines longer prompts at arrival
+    extra, planned = arrival.decide({"attn_otel": "maps"}, limit + 1, eng.config)
+    assert not planned and not extra[arrival.MAPS_KEY]
+    assert arrival.decide({"attn_otel": "maps"}, limit, eng.config)[1]
+    trace, trace_fit = new_trace_id(), new_trace_id()
+    eng.on_finished(_req(100, "maps", trace))
+    eng.flush(30)  # its metrics leave the queue (else the next one's maps would find it busy: maps_queue_full)
+    eng.on_finished(_req(limit, "maps", trace_fit))
+    eng.flush(30)
+    s = eng.stats.snapshot()
+    assert s["skipped"] == {"map_too_long": 1} and s["stored"] == 2 and not s["dropped"]
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    assert not cap.has_maps and cap.metrics["entropy"].shape == (1, 4, 100)
+    (fit,) = attn_otel.open_trace(trace_fit, store=tmp_path / "store")
+    assert fit.has_maps and fit.maps().shape == (1, 4, limit, limit)
+
+
+def test_maps_that_find_the_queue_busy_fall_back_to_metrics(tmp_path):
+    eng = _engine(tmp_path, queue_bytes=200_000)  # maps of T=100 (92.8 kB) fit an empty queue
+    assert eng.planner.map_tokens((0,)) >= 100
+    busy = 200_000 - int(200_000 * MAPS_HEADROOM) - 50_000
+    assert eng.handoff.reserve(busy)  # captures waiting on a slow store hold most of it
     trace = new_trace_id()
     eng.on_finished(_req(100, "maps", trace))
     eng.flush(30)
     assert eng.stats.snapshot()["skipped"] == {"maps_queue_full": 1}
+    eng.handoff.release(busy)
     (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
     assert not cap.has_maps and cap.metrics["entropy"].shape == (1, 4, 100)
 
@@ -75,7 +104,7 @@ def test_maps_leave_room_in_the_queue_for_captures_without_maps():
     assert b.pending_bytes == 0 and b.reserve(875, headroom=125)
 
 
-def test_maps_that_fit_the_queue_but_not_its_maps_share_fall_back_to_metrics(tmp_path):
+def test_maps_that_fit_the_queue_but_not_its_maps_share_are_declined(tmp_path):
     # T=100 on one 4-head layer: metrics take len(METRICS) * 4 * 100 * 4 bytes, maps 80,000 more
     with_maps = len(METRICS) * 4 * 100 * 4 + 4 * 100 * 100 * 2
     queue = int(with_maps / (1 - MAPS_HEADROOM)) - 1000  # the capture fits the queue, not the maps' share
@@ -86,7 +115,7 @@ def test_maps_that_fit_the_queue_but_not_its_maps_share_fall_back_to_metrics(tmp
     eng.on_finished(_req(100, "maps", trace))
     eng.flush(30)
     s = eng.stats.snapshot()
-    assert s["skipped"] == {"maps_queue_full": 1} and s["stored"] == 1 and not s["dropped"]
+    assert s["skipped"] == {"map_too_long": 1} and s["stored"] == 1 and not s["dropped"]
     (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
     assert not cap.has_maps and cap.metrics["entropy"].shape == (1, 4, 100)
     eng2 = _engine(tmp_path, store="store2", queue_bytes=queue + 2000)  # now within the maps' share
