@@ -29,25 +29,16 @@ from .tracking import FinishedRequest, Parallel
 logger = logging.getLogger("attn_otel")
 
 
-def maps_bytes(T: int, layers: int, heads: int) -> int:
-    """Hand-off bytes of a capture with maps: ``layers * heads`` float16 maps of ``T x T`` and the float32
-    per-row metrics beside them."""
-    return layers * heads * T * (T * 2 + len(METRICS) * 4)
-
-
 def map_token_limit(max_tokens: int, room: int, layers: int, heads: int) -> int:
     """The longest request, in tokens, that can get maps: at most ``max_tokens`` (ATTN_OTEL_MAX_MAP_TOKENS),
     and no longer than a capture of ``layers * heads`` maps that fits ``room``, the hand-off bytes maps may
     hold (ATTN_OTEL_QUEUE_BYTES less the room kept for captures without maps)."""
     if layers <= 0 or heads <= 0:
         return max_tokens
-    a, b = 2 * layers * heads, len(METRICS) * 4 * layers * heads  # a T^2 + b T <= room
-    t = max(0, int((math.sqrt(b * b + 4 * a * max(room, 0)) - b) / (2 * a)))
-    while t > 0 and maps_bytes(t, layers, heads) > room:  # the square root's rounding, either way
-        t -= 1
-    while maps_bytes(t + 1, layers, heads) <= room:
-        t += 1
-    return min(max_tokens, t)
+    # Planner.plan's bytes of a capture with maps, a T^2 + b T (float16 maps, float32 per-row metrics): the
+    # largest T within room, exactly in integers (the floor of the square root keeps the floor of the root)
+    a, b = 2 * layers * heads, len(METRICS) * 4 * layers * heads
+    return min(max_tokens, (math.isqrt(b * b + 4 * a * max(room, 0)) - b) // (2 * a))
 
 
 @dataclasses.dataclass
