@@ -27,6 +27,9 @@ from attn_otel.tap import LayerSpec
 from attn_otel.tracking import FinishedRequest, Parallel
 from attn_otel.config import Config
 from attn_otel.ids import new_span_id, new_trace_id
+from attn_otel.attention import METRICS
+from attn_otel.handoff import MAPS_HEADROOM
+from attn_otel.plan import map_token_limit
 from attn_otel.metrics import summarize
 from attn_otel.store import (CapturePart, StoreError, collect_garbage, list_partial, open_zarr_store,
                              write_capture_part)
@@ -182,7 +185,7 @@ def _model_qk(n_tokens: int, seed: int = 3):
     return q, k
 
 
-def _rank_engine(store, tp_rank, tp, pp_rank, pp, *, writer="thread", seed="inst-1"):
+def _rank_engine(store, tp_rank, tp, pp_rank, pp, *, writer="thread", seed="inst-1", **cfg):
     """The capture engine a rank would get: its heads (a contiguous slice, as vLLM shards them) of its
     stage's layers, its tap filled with those heads' Q/K."""
     hq, hk = HEADS // tp, KV // tp
@@ -194,7 +197,7 @@ def _rank_engine(store, tp_rank, tp, pp_rank, pp, *, writer="thread", seed="inst
         tp_rank=tp_rank, tp=tp, pp_rank=pp_rank, pp=pp, total_heads=HEADS,
         stage_of={i: i // per_stage for i in range(ENGINE_LAYERS)}, capture_layers=tuple(range(ENGINE_LAYERS)),
         id_seed=seed)
-    eng = CaptureEngine(Config(store=str(store), layers="all", writer=writer, row_metrics="all"),
+    eng = CaptureEngine(Config(store=str(store), layers="all", writer=writer, row_metrics="all", **cfg),
                         specs, 512, torch.float32, "cpu", parallel=par)
     q, k = _model_qk(400)
     for i in mine:
@@ -242,6 +245,30 @@ def test_rank_engines_store_what_one_engine_holding_the_whole_model_stores(tmp_p
     assert sum(s["stored"] for s in stats) == len(traces)
     assert sum(s["maps_stored"] for s in stats) == 1
     for eng in [single, *ranks]:
+        eng.close()
+
+
+def test_stages_decline_maps_alike_by_the_whole_capture_s_bytes(tmp_path):
+    # pp2: each stage holds one of the two layers.  The queue's maps share holds one layer's maps of the 120-token
+    # request, not both layers': every stage must decline them (by the whole capture's bytes, not its own), so
+    # that no stage stores half of a capture's maps.
+    one, both = (L * HEADS * 120 * (2 * 120 + 4 * len(METRICS)) for L in (1, 2))
+    queue = int((one + both) / 2 / (1 - MAPS_HEADROOM))
+    stages = [_rank_engine(tmp_path / "store", 0, 1, s, 2, queue_bytes=queue) for s in range(2)]
+    room = stages[0].planner.maps_room
+    assert one <= room < both
+    assert map_token_limit(8192, room, 1, HEADS) >= 120  # a stage counting only its own layer would keep them
+    limits = {eng.planner.map_tokens(range(ENGINE_LAYERS)) for eng in stages}
+    assert len(limits) == 1 and limits.pop() < 120
+    trace = new_trace_id()
+    for eng in stages:
+        eng.on_finished_many(_requests([(trace, "maps")]))
+    for eng in stages:
+        assert eng.flush(60)
+    assert [eng.stats.snapshot()["skipped"] for eng in stages] == [{"map_too_long": 1}] * 2
+    (cap,) = attn_otel.open_trace(trace, store=tmp_path / "store")
+    assert not cap.has_maps and list(cap.layers) == [0, 1] and cap.metrics["entropy"].shape == (2, HEADS, 120)
+    for eng in stages:
         eng.close()
 
 
