@@ -309,12 +309,15 @@ def profile_phase(phase: str, out: Path, workload: str) -> None:
 
 
 def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, maps_fraction: float = 0.0,
-                   steps: int = 0) -> None:
+                   steps: int = 0, delay: int = 0, warm_runs: int = 2) -> None:
     """One warm workload run of ``phase`` with vLLM's own torch profiler in the engine core process (the
     multiprocess engine, as measured): its trace and table go to DIR/vllm-profile-PHASE/, and where the GPU
     waits (bench/trace_gaps.py) to DIR/vllm-profile-PHASE.txt.  ``stacks`` records Python functions too
     (the idle time is then blamed on them, not only on torch ops), but an 8 s run's trace then takes more
-    than 5 minutes to write.  ``steps`` > 0 keeps the trace to that many engine steps from the run's start.
+    than 5 minutes to write.  ``steps`` > 0 keeps the trace to that many engine steps from the run's start,
+    or with ``delay`` from that many steps into the run; the trace's summary by step (``trace_gaps.summary``)
+    goes to DIR/vllm-profile-PHASE.json, for ``trace_gaps.py --compare`` against another phase's.
+    ``warm_runs``: the workload runs before the one profiled (1: one metrics run, no maps warm-up).
     The trace is written plain (no gzip) and vLLM's own CUDA-time table is skipped: on a 512+256 run (about
     330 steps) the two took the profile past 100 s on an H100 (run 28)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -328,10 +331,11 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, m
                                                "torch_profiler_with_stack": stacks,
                                                "torch_profiler_use_gzip": False,
                                                "torch_profiler_dump_cuda_time_total": False,
-                                               "max_iterations": steps})
+                                               "max_iterations": steps, "delay_iterations": delay})
     print(f"[profile {tag}] engine up in {time.perf_counter() - t0:.0f} s", flush=True)
     _run_workload(llm, workload, 0.0, seed=99)  # with --maps as in run_phase: metrics runs, a maps warm-up,
-    _run_workload(llm, workload, maps_fraction, seed=98)  # then the run profiled
+    if warm_runs > 1:
+        _run_workload(llm, workload, maps_fraction, seed=98)  # then the run profiled
     llm.start_profile()
     res = _run_workload(llm, workload, maps_fraction, seed=1)
     llm.stop_profile()
@@ -341,7 +345,10 @@ def engine_profile(phase: str, out: Path, workload: str, stacks: bool = False, m
           f"{[(t.name, t.stat().st_size) for t in traces]}", flush=True)
     text = f"# {tag} {workload}: {res['output_tokens_per_s']:.0f} tok/s under vLLM's profiler\n\n"
     if traces:
-        text += trace_gaps.analyse(trace_gaps.load(str(traces[-1])))
+        events = trace_gaps.load(str(traces[-1]))
+        text += trace_gaps.analyse(events)
+        (out / f"vllm-profile-{tag}.json").write_text(json.dumps(trace_gaps.summary(events), indent=1))
+        del events
     text += "\nCPU seconds in the run by process/thread: " + json.dumps(res["cpu_s"]) + "\n"
     (out / f"vllm-profile-{tag}.txt").write_text(text)
     print(text, flush=True)
@@ -534,6 +541,10 @@ def main(argv=None) -> int:
     ap.add_argument("--maps", action="store_true", help="with --engine-profile: profile the maps-for-1%% run")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="with --engine-profile: trace only this many engine steps (0: the whole run)")
+    ap.add_argument("--profile-delay", type=int, default=0,
+                    help="with --engine-profile: start the trace this many engine steps into the run")
+    ap.add_argument("--profile-warm-runs", type=int, choices=[1, 2], default=2,
+                    help="with --engine-profile: workload runs before the one profiled")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     MODEL[0] = args.model
@@ -544,10 +555,10 @@ def main(argv=None) -> int:
             ap.error(f"--env takes ATTN_OTEL_NAME=VALUE, not {kv!r}")
         EXTRA_ENV[key] = value
     if args.engine_profile:
-        if args.profile_steps < 0:
-            ap.error("--profile-steps takes 0 (the whole run) or a number of steps")
+        if args.profile_steps < 0 or args.profile_delay < 0:
+            ap.error("--profile-steps and --profile-delay take 0 or a number of steps")
         engine_profile(args.engine_profile, args.out, (args.workload or ["512+256"])[0], args.stacks,
-                       0.01 if args.maps else 0.0, args.profile_steps)
+                       0.01 if args.maps else 0.0, args.profile_steps, args.profile_delay, args.profile_warm_runs)
         return 0
     if args.profile:
         profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0])

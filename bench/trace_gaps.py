@@ -2,7 +2,15 @@
 engine core): the GPU's busy time (the union of kernels, copies and sets), its idle gaps, and, for the idle
 time, the innermost Python function each host thread was in (with_stack traces).
 
-    python3 bench/trace_gaps.py TRACE.json[.gz] [--top 25]
+    python3 bench/trace_gaps.py TRACE.json[.gz] [--top 25] [--summary OUT.json]
+    python3 bench/trace_gaps.py --compare OFF.json ON.json
+
+``--summary`` keeps, beside the text, a small JSON of the trace by engine step (:func:`summary`): vLLM's
+profiler names each step's range ``execute_context_A(B)_generation_C(D)``, and each kernel is put in the step
+whose host range launched it (the runtime call with the kernel's correlation id, on the step's thread; a CUDA
+graph's kernels share their launch's).  ``--compare`` sets two such summaries side by side, step kind by step kind: whether capture
+makes the forwards' own kernels slower (contention, or work inside the graphs), adds its own kernels to the
+steps, or leaves the GPU idle longer between them.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import bisect
 import collections
 import gzip
 import json
+import re
 import sys
 
 
@@ -103,12 +112,124 @@ def analyse(events: list[dict], top: int = 25) -> str:
     return "\n".join(out) + "\n"
 
 
+OWN = ("_row_metrics", "_summaries", "_scatter_rows", "_ring_advance")  # attn-otel's Triton kernels
+_STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
+_DECODE_EDGES = (0, 8, 32, 64, 128, 192, 256, 384, 512, 1 << 30)
+
+
+def step_kind(ctx_reqs: int, ctx_tokens: int, gen_reqs: int) -> str:
+    """A step's bucket: any prefill tokens, else its decode batch by size."""
+    if ctx_tokens:
+        return "prefill"
+    for lo, hi in zip(_DECODE_EDGES, _DECODE_EDGES[1:]):
+        if lo < gen_reqs <= hi:
+            return f"decode {lo + 1}-{hi}" if hi < 1 << 30 else f"decode > {lo}"
+    return "empty"
+
+
+def summary(events: list[dict]) -> dict:
+    """The trace by engine step: per step kind, the steps, their kernels' device time (vLLM's own and
+    attn-otel's, :data:`OWN`), the span from a step's first kernel to its last, and the GPU's idle time
+    between steps; kernels launched outside every step (attn-otel's threads, vLLM's outside execute_model) by
+    stream; and the whole window's span, busy and idle time."""
+    steps = sorted((e["ts"], e["ts"] + e.get("dur", 0), m.groups(), e.get("tid")) for e in events
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                   and (m := _STEP.search(e.get("name", ""))))
+    starts = [s[0] for s in steps]
+    launch = {}  # correlation id -> the host time and thread of its runtime call
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            c = (e.get("args") or {}).get("correlation")
+            if c is not None:
+                launch[c] = (e["ts"], e.get("tid"))
+    kinds: dict = {}
+    per_step = [{"own": 0.0, "vllm": 0.0, "first": None, "last": None} for _ in steps]
+    outside: collections.Counter = collections.Counter()
+    gpu = []
+    for e in events:
+        if not (e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
+            continue
+        a, d, args = e["ts"], e.get("dur", 0), e.get("args") or {}
+        gpu.append((a, a + d))
+        own = e.get("cat") == "kernel" and e.get("name", "").startswith(OWN)
+        t, tid = launch.get(args.get("correlation"), (None, None))
+        i = bisect.bisect_right(starts, t) - 1 if t is not None else -1
+        if i < 0 or t > steps[i][1] or tid != steps[i][3]:
+            outside[f"stream {args.get('stream')} {'attn-otel' if own else 'other'}"] += d
+            continue
+        p = per_step[i]
+        p["own" if own else "vllm"] += d
+        p["first"] = a if p["first"] is None else min(p["first"], a)
+        p["last"] = a + d if p["last"] is None else max(p["last"], a + d)
+    prev_end = None
+    for (_, _, g, _), p in zip(steps, per_step):
+        if p["first"] is None:
+            continue
+        k = kinds.setdefault(step_kind(int(g[0]), int(g[1]), int(g[2])),
+                             {"steps": 0, "tokens": 0, "vllm_us": 0.0, "own_us": 0.0, "span_us": 0.0, "idle_before_us": 0.0})
+        k["steps"] += 1
+        k["tokens"] += int(g[1]) + int(g[3])
+        k["vllm_us"] += p["vllm"]
+        k["own_us"] += p["own"]
+        k["span_us"] += p["last"] - p["first"]
+        if prev_end is not None:
+            k["idle_before_us"] += max(0.0, p["first"] - prev_end)
+        prev_end = max(prev_end or p["last"], p["last"])
+    gpu.sort()
+    busy, end = 0.0, None
+    for a, b in gpu:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = max(b for _, b in gpu) - gpu[0][0] if gpu else 0.0
+    return {"steps": len(steps), "kinds": kinds, "outside_us": dict(outside), "span_us": span, "busy_us": busy,
+            "idle_us": span - busy}
+
+
+def compare(off: dict, on: dict) -> str:
+    """Two :func:`summary` dicts side by side (the second against the first), per step kind."""
+    out = [f"steps {off['steps']} / {on['steps']}; GPU span {off['span_us'] / 1e6:.3f} / {on['span_us'] / 1e6:.3f} s "
+           f"(x{on['span_us'] / max(off['span_us'], 1):.4f}); busy {off['busy_us'] / 1e6:.3f} / {on['busy_us'] / 1e6:.3f} s; "
+           f"idle {off['idle_us'] / 1e6:.3f} / {on['idle_us'] / 1e6:.3f} s", "",
+           "| step kind | steps | tokens a step | vLLM's kernels a step, us | x | attn-otel's kernels a step, us "
+           "| span a step, us | x | idle before a step, us |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in sorted(set(off["kinds"]) | set(on["kinds"]), key=lambda n: (n != "prefill", len(n), n)):
+        a, b = off["kinds"].get(name), on["kinds"].get(name)
+        if not a or not b:
+            out.append(f"| {name} | {a and a['steps']} / {b and b['steps']} | | | | | | | |")
+            continue
+        pa = {k: v / a["steps"] for k, v in a.items() if k != "steps"}
+        pb = {k: v / b["steps"] for k, v in b.items() if k != "steps"}
+        out.append(f"| {name} | {a['steps']} / {b['steps']} | {pa['tokens']:.0f} / {pb['tokens']:.0f} "
+                   f"| {pa['vllm_us']:.0f} / {pb['vllm_us']:.0f} | x{pb['vllm_us'] / max(pa['vllm_us'], 1e-9):.3f} "
+                   f"| {pb['own_us']:.0f} | {pa['span_us']:.0f} / {pb['span_us']:.0f} "
+                   f"| x{pb['span_us'] / max(pa['span_us'], 1e-9):.3f} | {pa['idle_before_us']:.0f} / {pb['idle_before_us']:.0f} |")
+    out += ["", "kernels launched outside every step, us: "
+            f"{json.dumps({k: round(v) for k, v in off['outside_us'].items()})} / "
+            f"{json.dumps({k: round(v) for k, v in on['outside_us'].items()})}"]
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("trace")
+    ap.add_argument("trace", nargs="?")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--summary", help="also write the trace's summary by engine step (JSON) here")
+    ap.add_argument("--compare", nargs=2, metavar=("OFF", "ON"), help="two --summary files side by side")
     args = ap.parse_args(argv)
-    print(analyse(load(args.trace), args.top))
+    if args.compare:
+        print(compare(*(json.loads(open(p).read()) for p in args.compare)))
+        return 0
+    if not args.trace:
+        ap.error("give a trace, or --compare OFF ON")
+    events = load(args.trace)
+    print(analyse(events, args.top))
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(summary(events), f, indent=1)
     return 0
 
 

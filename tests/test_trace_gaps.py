@@ -74,3 +74,51 @@ def test_cuda_runtime_calls_are_listed_per_thread_and_can_take_the_blame():
                                "per thread:") + 1:]
     assert any("tid 9  cudaHostAlloc" in line and "2.0 ms" in line for line in blamed)
     assert any("tid 7  cudaPointerGetAttributes" in line for line in blamed)  # 900..1300 holds the middle, 1100
+
+
+def _k(name, ts, dur, corr, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr, "stream": stream}}
+
+
+def _launch(ts, corr, tid=7):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 5, "tid": tid,
+            "args": {"correlation": corr}}
+
+
+def _step(ts, dur, ctx, ctx_tok, gen, gen_tok):
+    return _x("user_annotation", f"execute_context_{ctx}({ctx_tok})_generation_{gen}({gen_tok})", ts, dur, tid=7)
+
+
+def test_the_summary_puts_each_kernel_in_the_step_that_launched_it():
+    """Kernels go to the step whose host range holds their launch (a graph's kernels share its correlation id),
+    attn-otel's by name, the rest as vLLM's; a launch outside every step, or on another thread inside one (a
+    capture thread's), is counted by
+    stream; idle before a step runs from the previous step's last kernel to its first."""
+    events = [
+        _step(0, 50, 2, 900, 0, 0), _launch(10, 1), _k("gemm", 100, 400, 1), _k("_scatter_rows_0d1", 500, 20, 1),
+        _step(60, 40, 0, 0, 3, 3), _launch(70, 2), _k("gemm", 600, 100, 2), _k("flash_fwd", 700, 50, 2),
+        _step(110, 40, 0, 0, 3, 3), _launch(120, 3), _k("gemm", 800, 100, 3),
+        _launch(130, 4, tid=9), _k("_row_metrics", 905, 30, 4, stream=13),  # the stream's flush, from its thread
+        _launch(200, 5), _k("memcpy-ish", 1000, 10, 5),  # after the last step's range: outside
+    ]
+    s = trace_gaps.summary(events)
+    assert s["steps"] == 3
+    pre, dec = s["kinds"]["prefill"], s["kinds"]["decode 1-8"]
+    assert (pre["steps"], pre["tokens"], pre["vllm_us"], pre["own_us"], pre["span_us"]) == (1, 900, 400, 20, 420)
+    assert (dec["steps"], dec["tokens"], dec["vllm_us"], dec["own_us"], dec["span_us"]) == (2, 6, 250, 0, 250)
+    assert dec["idle_before_us"] == 80 + 50  # 520 -> 600, 750 -> 800
+    assert s["outside_us"] == {"stream 13 attn-otel": 30, "stream 7 other": 10}
+    assert (s["span_us"], s["busy_us"], s["idle_us"]) == (910, 710, 200)
+    assert trace_gaps.step_kind(0, 0, 200) == "decode 193-256" and trace_gaps.step_kind(0, 0, 600) == "decode > 512"
+
+
+def test_compare_sets_two_summaries_side_by_side_by_step_kind(tmp_path):
+    off = trace_gaps.summary([_step(0, 50, 0, 0, 3, 3), _launch(10, 1), _k("gemm", 100, 400, 1)])
+    on = trace_gaps.summary([_step(0, 50, 0, 0, 3, 3), _launch(10, 1), _k("gemm", 100, 440, 1),
+                             _k("_ring_advance", 540, 10, 1), _step(60, 50, 1, 64, 0, 0)])
+    text = trace_gaps.compare(off, on)
+    assert "| decode 1-8 | 1 / 1 | 3 / 3 | 400 / 440 | x1.100 | 10 | 400 / 450 | x1.125 | 0 / 0 |" in text
+    assert "| prefill | None / None |" not in text and "steps 1 / 2" in text
+    (tmp_path / "a.json").write_text(json.dumps(off))
+    (tmp_path / "b.json").write_text(json.dumps(on))
+    assert trace_gaps.main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
