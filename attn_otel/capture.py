@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import triton_metrics
+from . import timing, triton_metrics
 from .attention import metric_width
 from .compute import ComputeThread
 from .config import Config
@@ -108,6 +108,8 @@ class CaptureEngine:
         # The compute and writer-feeding threads share the engine loop's GIL: hand it back within this long.
         if config.gil_switch_ms > 0 and config.gil_switch_ms / 1000 < sys.getswitchinterval():
             sys.setswitchinterval(config.gil_switch_ms / 1000)
+        # Their waits for device work sleep in the driver instead of polling its lock (ATTN_OTEL_EVENT_WAIT).
+        timing.SLEEP[0] = config.event_wait == "sleep"
         # Counters change on the engine loop, the compute thread and the writers: a timer keeps the stats
         # file at most a second behind.
         self._stop_dumper = threading.Event()

@@ -30,6 +30,7 @@ from .store import CaptureRecord
 from .stream import MetricsStream, keys_at
 from .stream import gather as stream_gather
 from .tap import LayerSpec, MapTap, QKTap
+from .timing import wait_event
 from .writer_proc import os_thread_name
 
 BAND_BYTES = 64 << 20  # float32 logits of one band of query rows, all heads (GPU)
@@ -268,7 +269,7 @@ class ComputeThread:
                 tokens_host.copy_(p.tokens_dev, non_blocking=cuda)
             event = None
             if cuda:
-                event = torch.cuda.Event()
+                event = wait_event()  # the writer thread waits on it
                 event.record()
         return tokens_host, event
 

@@ -112,6 +112,13 @@ finishes a step while one of them holds the GIL, the loop waits up to this long 
 next step (measured on an H100: 0.6 s of 23.8 s idle on the mixed workload at Python's 5 ms).  ``0``: leave
 the process's interval alone.  Default ``0.2``."""
 
+ATTN_OTEL_EVENT_WAIT = "ATTN_OTEL_EVENT_WAIT"
+"""How attn-otel's threads wait for device work (a writer thread for a finish batch's results, a maps
+capture's copies): ``sleep`` (default), on blocking-sync CUDA events, the thread asleep in the driver until
+the device reaches the event; ``spin``, on plain events, whose wait polls the driver and takes its lock over
+and over, so that the engine loop's launches queue behind the polls (as up to 2026-11-29; see
+:func:`attn_otel.timing.wait_event`)."""
+
 ATTN_OTEL_AFTER_LAUNCH = "ATTN_OTEL_AFTER_LAUNCH"
 """``1``: capture work that no forward is waiting for (a batch of finished requests' captures none of whose
 blocks the step's forward writes; the streamed layers' flush at half the query ring) runs after the step's
@@ -349,6 +356,7 @@ class Config:
     row_metrics: str = "maps"
     writer_timeout_s: float = 0.0
     gil_switch_ms: float = 0.2
+    event_wait: str = "sleep"
     finish_batch_steps: int = 16
     after_launch: bool = True
     # where work after the launch runs (ATTN_OTEL_AFTER_LAUNCH): "execute", as vLLM's execute_model returns (the
@@ -393,6 +401,7 @@ class Config:
         values["writer_timeout_s"] = _number(env, ATTN_OTEL_WRITER_TIMEOUT_S, d.writer_timeout_s, float, 0.0,
                                              86400.0)
         values["gil_switch_ms"] = _number(env, ATTN_OTEL_GIL_SWITCH_MS, d.gil_switch_ms, float, 0.0, 100.0)
+        values["event_wait"] = _choice(env, ATTN_OTEL_EVENT_WAIT, ("sleep", "spin"), d.event_wait)
         values["finish_batch_steps"] = _number(env, ATTN_OTEL_FINISH_BATCH_STEPS, d.finish_batch_steps, int, 0,
                                                1024)
         at = _choice(env, ATTN_OTEL_AFTER_LAUNCH, ("0", "1", "sample", "output"), "1")

@@ -14,6 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .timing import wait_event
+
 _ALIGN = 64
 
 
@@ -65,7 +67,7 @@ class _PinnedRing:
                     self.host[start + o:start + o + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
             out = torch.empty(total, dtype=torch.uint8, device=self.device)
             out.copy_(self.buf[start:end], non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = wait_event()  # waited on only where the ring comes round to a copy still in flight
             ev.record()
             self.inflight.append((start, end, ev))
             self.head = -(-end // _ALIGN) * _ALIGN

@@ -7,6 +7,19 @@ import threading
 import torch
 
 
+SLEEP = [True]  # ATTN_OTEL_EVENT_WAIT=sleep (the default); the capture engine sets it from its config
+
+
+def wait_event(enable_timing: bool = False) -> torch.cuda.Event:
+    """A CUDA event that some host thread will wait on (``synchronize``).  With ``ATTN_OTEL_EVENT_WAIT=sleep``
+    (the default) it is a blocking-sync event: the waiting thread sleeps in the driver until the device
+    reaches it.  A plain event's wait polls the driver instead, taking the CUDA driver's lock over and over,
+    and the engine loop's launches queue behind those polls (vLLM made its own per-step events blocking for
+    the same reason, vllm-project/vllm#47081; attn-otel's writer threads each wait on a finish batch's event
+    for up to tens of milliseconds).  ``spin``: plain events, as up to 2026-11-29."""
+    return torch.cuda.Event(enable_timing=enable_timing, blocking=SLEEP[0])
+
+
 class DeviceTimer:
     """Seconds of device time between :meth:`start` and :meth:`stop` pairs, as far as completed.  The engine
     loop times its launches; the stats thread reads :attr:`seconds`."""
@@ -27,10 +40,11 @@ class DeviceTimer:
 
     def stop(self, started: torch.cuda.Event | None) -> torch.cuda.Event | None:
         """The end of the work launched since ``started`` (from :meth:`start`): its event, recorded now (None
-        where untimed).  Completed pairs are summed here too, so that none pile up unread."""
+        where untimed), one a thread may wait on (:func:`wait_event`: the writers wait on a finish batch's).
+        Completed pairs are summed here too, so that none pile up unread."""
         if started is None:
             return None
-        end = torch.cuda.Event(enable_timing=True)
+        end = wait_event(enable_timing=True)
         end.record()
         with self._lock:
             self._pending.append((started, end))

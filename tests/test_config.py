@@ -53,10 +53,11 @@ def test_every_variable_is_read():
         "ATTN_OTEL_LAUNCH": "JIT",
         "ATTN_OTEL_FLUSH_KEYS": "Slots",
         "ATTN_OTEL_ENGINE_PRIORITY": "HIGH ",
+        "ATTN_OTEL_EVENT_WAIT": "Spin",
     })
     assert config == Config(store="s3://bucket/prefix", layers=(0, 8, 16), maps_sample=0.5, max_map_tokens=4096,
                             queue_bytes=1000, store_tokens=False, sink_tokens=2, writers=3, kv_write="vllm",
-                            launch="jit", flush_keys="slots", engine_priority="high")
+                            launch="jit", flush_keys="slots", engine_priority="high", event_wait="spin")
 
 
 @pytest.mark.parametrize("raw, url", [
@@ -155,6 +156,7 @@ def test_blank_store_falls_back_to_the_default():
     ("ATTN_OTEL_LAUNCH", "cached", "launch"),
     ("ATTN_OTEL_FLUSH_KEYS", "pages", "flush_keys"),
     ("ATTN_OTEL_ENGINE_PRIORITY", "highest", "engine_priority"),
+    ("ATTN_OTEL_EVENT_WAIT", "yield", "event_wait"),
     ("ATTN_OTEL_AFTER_LAUNCH", "later", "after_launch_at"),
     ("ATTN_OTEL_HOLD_FINISHED", "yes", "hold_finished"),
     ("ATTN_OTEL_STREAM_DIRECT", "yes", "stream_direct"),
