@@ -93,7 +93,9 @@ class Stats:
                                     "empty_steps": self.empty_steps, "steady_drift": self.steady_drift,
                                     "after_launch_at": dict(self.after_launch_at),
                                     "spill_at": dict(self.spill_at),
-                                    "step_host_s": {k: round(v, 4) for k, v in self.step_parts.items()}}
+                                    # a copy first, in one step under the GIL: the engine loop adds parts
+                                    # without the lock (only it writes there)
+                                    "step_host_s": {k: round(v, 4) for k, v in dict(self.step_parts).items()}}
         if percentiles:  # appends to the deques take no lock: each is copied in one step under the GIL
             for name in QUANTILE_FIELDS:
                 snap[name] = quantiles(getattr(self, name))

@@ -145,6 +145,7 @@ def summary(events: list[dict]) -> dict:
     kinds: dict = {}
     per_step = [{"own": 0.0, "vllm": 0.0, "first": None, "last": None} for _ in steps]
     outside: collections.Counter = collections.Counter()
+    by_name: dict = {"own in steps": collections.Counter(), "outside steps": collections.Counter()}
     gpu = []
     for e in events:
         if not (e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
@@ -156,7 +157,10 @@ def summary(events: list[dict]) -> dict:
         i = bisect.bisect_right(starts, t) - 1 if t is not None else -1
         if i < 0 or t > steps[i][1] or tid != steps[i][3]:
             outside[f"stream {args.get('stream')} {'attn-otel' if own else 'other'}"] += d
+            by_name["outside steps"][e.get("name", "")[:60]] += d
             continue
+        if own:
+            by_name["own in steps"][e.get("name", "")[:60]] += d
         p = per_step[i]
         p["own" if own else "vllm"] += d
         p["first"] = a if p["first"] is None else min(p["first"], a)
@@ -186,7 +190,7 @@ def summary(events: list[dict]) -> dict:
             end = b
     span = max(b for _, b in gpu) - gpu[0][0] if gpu else 0.0
     return {"steps": len(steps), "kinds": kinds, "outside_us": dict(outside), "span_us": span, "busy_us": busy,
-            "idle_us": span - busy}
+            "idle_us": span - busy, "by_name_us": {k: dict(v.most_common(12)) for k, v in by_name.items()}}
 
 
 def compare(off: dict, on: dict) -> str:
@@ -207,6 +211,13 @@ def compare(off: dict, on: dict) -> str:
                    f"| {pa['vllm_us']:.0f} / {pb['vllm_us']:.0f} | x{pb['vllm_us'] / max(pa['vllm_us'], 1e-9):.3f} "
                    f"| {pb['own_us']:.0f} | {pa['span_us']:.0f} / {pb['span_us']:.0f} "
                    f"| x{pb['span_us'] / max(pa['span_us'], 1e-9):.3f} | {pa['idle_before_us']:.0f} / {pb['idle_before_us']:.0f} |")
+    for part in ("own in steps", "outside steps"):
+        names = {**off.get("by_name_us", {}).get(part, {}), **on.get("by_name_us", {}).get(part, {})}
+        if names:
+            out += ["", f"{part}, the longest by kernel, us (off / on):"]
+            out += [f"  {off.get('by_name_us', {}).get(part, {}).get(n, 0):9.0f} / "
+                    f"{on.get('by_name_us', {}).get(part, {}).get(n, 0):9.0f}  {n}"
+                    for n in sorted(names, key=lambda n: -on.get("by_name_us", {}).get(part, {}).get(n, 0))]
     out += ["", "kernels launched outside every step, us: "
             f"{json.dumps({k: round(v) for k, v in off['outside_us'].items()})} / "
             f"{json.dumps({k: round(v) for k, v in on['outside_us'].items()})}"]

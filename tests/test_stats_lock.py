@@ -71,3 +71,34 @@ def test_quantiles_match_numpy_and_empty():
     q = quantiles(v.tolist())
     assert [q["p50"], q["p90"], q["p99"]] == [float(np.quantile(v, x)) for x in (0.5, 0.9, 0.99)]
     assert quantiles([]) == {"n": 0} and interval_split([]) == {"n": 0}
+
+
+def test_a_snapshot_copes_with_the_engine_loop_adding_a_step_part():
+    """The engine loop adds to ``step_parts`` without the lock (only it writes there): a part seen for the first
+    time while the stats thread's snapshot reads them must not fail the snapshot (run 43: "could not write
+    stats ...: dictionary changed size during iteration")."""
+    import sys
+
+    s = Stats()
+    for i in range(20_000):  # a long read, so that the other thread gets in during it
+        s.step_parts[f"part{i}"] += 1e-3
+    stop = threading.Event()
+
+    def engine_loop():
+        for i in range(100_000):
+            if stop.is_set():
+                return
+            s.step_parts[f"new{i}"] += 1e-3
+
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    th = threading.Thread(target=engine_loop)
+    th.start()
+    try:
+        for _ in range(20):
+            snap = s.snapshot()
+            assert len(snap["step_host_s"]) >= 20_000
+    finally:
+        stop.set()
+        th.join()
+        sys.setswitchinterval(was)

@@ -108,6 +108,7 @@ def test_the_summary_puts_each_kernel_in_the_step_that_launched_it():
     assert (dec["steps"], dec["tokens"], dec["vllm_us"], dec["own_us"], dec["span_us"]) == (2, 6, 250, 0, 250)
     assert dec["idle_before_us"] == 80 + 50  # 520 -> 600, 750 -> 800
     assert s["outside_us"] == {"stream 13 attn-otel": 30, "stream 7 other": 10}
+    assert s["by_name_us"] == {"own in steps": {"_scatter_rows_0d1": 20}, "outside steps": {"_row_metrics": 30, "memcpy-ish": 10}}
     assert (s["span_us"], s["busy_us"], s["idle_us"]) == (910, 710, 200)
     assert trace_gaps.step_kind(0, 0, 200) == "decode 193-256" and trace_gaps.step_kind(0, 0, 600) == "decode > 512"
 
@@ -119,6 +120,7 @@ def test_compare_sets_two_summaries_side_by_side_by_step_kind(tmp_path):
     text = trace_gaps.compare(off, on)
     assert "| decode 1-8 | 1 / 1 | 3 / 3 | 400 / 440 | x1.100 | 10 | 400 / 450 | x1.125 | 0 / 0 |" in text
     assert "| prefill | None / None |" not in text and "steps 1 / 2" in text
+    assert "        0 /        10  _ring_advance" in text.split("own in steps, the longest by kernel, us (off / on):")[1]
     (tmp_path / "a.json").write_text(json.dumps(off))
     (tmp_path / "b.json").write_text(json.dumps(on))
     assert trace_gaps.main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
