@@ -19,6 +19,7 @@ import argparse
 import bisect
 import collections
 import gzip
+import itertools
 import json
 import re
 import sys
@@ -129,9 +130,10 @@ def step_kind(ctx_reqs: int, ctx_tokens: int, gen_reqs: int) -> str:
 
 def summary(events: list[dict]) -> dict:
     """The trace by engine step: per step kind, the steps, their kernels' device time (vLLM's own and
-    attn-otel's, :data:`OWN`), the span from a step's first kernel to its last, and the GPU's idle time
-    between steps; kernels launched outside every step (attn-otel's threads, vLLM's outside execute_model) by
-    stream; and the whole window's span, busy and idle time."""
+    attn-otel's, :data:`OWN`), the span from a step's first kernel to its last, and the GPU's idle time (no
+    kernel, copy or set on any stream) in that span and before it, since the previous step's last kernel;
+    kernels launched outside every step (attn-otel's threads; vLLM's sampler, launched after execute_model) by
+    stream and by name; and the whole window's span, busy and idle time."""
     steps = sorted((e["ts"], e["ts"] + e.get("dur", 0), m.groups(), e.get("tid")) for e in events
                    if e.get("ph") == "X" and e.get("cat") == "user_annotation"
                    and (m := _STEP.search(e.get("name", ""))))
@@ -165,30 +167,46 @@ def summary(events: list[dict]) -> dict:
         p["own" if own else "vllm"] += d
         p["first"] = a if p["first"] is None else min(p["first"], a)
         p["last"] = a + d if p["last"] is None else max(p["last"], a + d)
+    gpu.sort()
+    merged: list = []  # the GPU's busy time as disjoint intervals (any kernel, copy or set, any stream)
+    for a, b in gpu:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts_m = [m[0] for m in merged]
+    cum = list(itertools.accumulate((m[1] - m[0] for m in merged), initial=0.0))
+
+    def idle_between(x: float, y: float) -> float:
+        """The GPU's idle time in (x, y)."""
+        if y <= x:
+            return 0.0
+        i, j = bisect.bisect_right(starts_m, x), bisect.bisect_left(starts_m, y)
+        busy_xy = cum[j] - cum[i]  # intervals starting inside (x, y), clipped at y below
+        if j > i and merged[j - 1][1] > y:
+            busy_xy -= merged[j - 1][1] - y
+        if i > 0 and merged[i - 1][1] > x:  # the interval running at x
+            busy_xy += min(merged[i - 1][1], y) - x
+        return (y - x) - busy_xy
+
     prev_end = None
     for (_, _, g, _), p in zip(steps, per_step):
         if p["first"] is None:
             continue
         k = kinds.setdefault(step_kind(int(g[0]), int(g[1]), int(g[2])),
-                             {"steps": 0, "tokens": 0, "vllm_us": 0.0, "own_us": 0.0, "span_us": 0.0, "idle_before_us": 0.0})
+                             {"steps": 0, "tokens": 0, "vllm_us": 0.0, "own_us": 0.0, "span_us": 0.0,
+                              "idle_before_us": 0.0, "idle_in_us": 0.0})
         k["steps"] += 1
         k["tokens"] += int(g[1]) + int(g[3])
         k["vllm_us"] += p["vllm"]
         k["own_us"] += p["own"]
         k["span_us"] += p["last"] - p["first"]
-        if prev_end is not None:
-            k["idle_before_us"] += max(0.0, p["first"] - prev_end)
+        k["idle_in_us"] += idle_between(p["first"], p["last"])
+        if prev_end is not None:  # the GPU idle (no kernel of any stream) since the previous step's last kernel
+            k["idle_before_us"] += idle_between(prev_end, p["first"])
         prev_end = max(prev_end or p["last"], p["last"])
-    gpu.sort()
-    busy, end = 0.0, None
-    for a, b in gpu:
-        if end is None or a > end:
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
-    span = max(b for _, b in gpu) - gpu[0][0] if gpu else 0.0
+    busy = cum[-1]
+    span = merged[-1][1] - merged[0][0] if merged else 0.0
     return {"steps": len(steps), "kinds": kinds, "outside_us": dict(outside), "span_us": span, "busy_us": busy,
             "idle_us": span - busy, "by_name_us": {k: dict(v.most_common(12)) for k, v in by_name.items()}}
 
@@ -199,18 +217,20 @@ def compare(off: dict, on: dict) -> str:
            f"(x{on['span_us'] / max(off['span_us'], 1):.4f}); busy {off['busy_us'] / 1e6:.3f} / {on['busy_us'] / 1e6:.3f} s; "
            f"idle {off['idle_us'] / 1e6:.3f} / {on['idle_us'] / 1e6:.3f} s", "",
            "| step kind | steps | tokens a step | vLLM's kernels a step, us | x | attn-otel's kernels a step, us "
-           "| span a step, us | x | idle before a step, us |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| span a step, us | x | GPU idle before a step, us | GPU idle in a step, us |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in sorted(set(off["kinds"]) | set(on["kinds"]), key=lambda n: (n != "prefill", len(n), n)):
         a, b = off["kinds"].get(name), on["kinds"].get(name)
         if not a or not b:
-            out.append(f"| {name} | {a and a['steps']} / {b and b['steps']} | | | | | | | |")
+            out.append(f"| {name} | {a and a['steps']} / {b and b['steps']} | | | | | | | | |")
             continue
         pa = {k: v / a["steps"] for k, v in a.items() if k != "steps"}
         pb = {k: v / b["steps"] for k, v in b.items() if k != "steps"}
         out.append(f"| {name} | {a['steps']} / {b['steps']} | {pa['tokens']:.0f} / {pb['tokens']:.0f} "
                    f"| {pa['vllm_us']:.0f} / {pb['vllm_us']:.0f} | x{pb['vllm_us'] / max(pa['vllm_us'], 1e-9):.3f} "
                    f"| {pb['own_us']:.0f} | {pa['span_us']:.0f} / {pb['span_us']:.0f} "
-                   f"| x{pb['span_us'] / max(pa['span_us'], 1e-9):.3f} | {pa['idle_before_us']:.0f} / {pb['idle_before_us']:.0f} |")
+                   f"| x{pb['span_us'] / max(pa['span_us'], 1e-9):.3f} | {pa['idle_before_us']:.0f} / {pb['idle_before_us']:.0f} "
+                   f"| {pa.get('idle_in_us', float('nan')):.0f} / {pb.get('idle_in_us', float('nan')):.0f} |")
     for part in ("own in steps", "outside steps"):
         names = {**off.get("by_name_us", {}).get(part, {}), **on.get("by_name_us", {}).get(part, {})}
         if names:

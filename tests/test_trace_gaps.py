@@ -100,25 +100,28 @@ def test_the_summary_puts_each_kernel_in_the_step_that_launched_it():
         _step(110, 40, 0, 0, 3, 3), _launch(120, 3), _k("gemm", 800, 100, 3),
         _launch(130, 4, tid=9), _k("_row_metrics", 905, 30, 4, stream=13),  # the stream's flush, from its thread
         _launch(200, 5), _k("memcpy-ish", 1000, 10, 5),  # after the last step's range: outside
+        _launch(210, 6), _k("sampler", 760, 20, 6),  # outside too, in the GPU's gap before step 3: not idle
     ]
     s = trace_gaps.summary(events)
     assert s["steps"] == 3
     pre, dec = s["kinds"]["prefill"], s["kinds"]["decode 1-8"]
     assert (pre["steps"], pre["tokens"], pre["vllm_us"], pre["own_us"], pre["span_us"]) == (1, 900, 400, 20, 420)
     assert (dec["steps"], dec["tokens"], dec["vllm_us"], dec["own_us"], dec["span_us"]) == (2, 6, 250, 0, 250)
-    assert dec["idle_before_us"] == 80 + 50  # 520 -> 600, 750 -> 800
-    assert s["outside_us"] == {"stream 13 attn-otel": 30, "stream 7 other": 10}
-    assert s["by_name_us"] == {"own in steps": {"_scatter_rows_0d1": 20}, "outside steps": {"_row_metrics": 30, "memcpy-ish": 10}}
-    assert (s["span_us"], s["busy_us"], s["idle_us"]) == (910, 710, 200)
+    assert dec["idle_before_us"] == 80 + 30  # 520 -> 600; 750 -> 800 but for the sampler's 760 -> 780
+    assert pre["idle_in_us"] == 0 and dec["idle_in_us"] == 0
+    assert s["outside_us"] == {"stream 13 attn-otel": 30, "stream 7 other": 30}
+    assert s["by_name_us"] == {"own in steps": {"_scatter_rows_0d1": 20},
+                               "outside steps": {"_row_metrics": 30, "sampler": 20, "memcpy-ish": 10}}
+    assert (s["span_us"], s["busy_us"], s["idle_us"]) == (910, 730, 180)
     assert trace_gaps.step_kind(0, 0, 200) == "decode 193-256" and trace_gaps.step_kind(0, 0, 600) == "decode > 512"
 
 
 def test_compare_sets_two_summaries_side_by_side_by_step_kind(tmp_path):
     off = trace_gaps.summary([_step(0, 50, 0, 0, 3, 3), _launch(10, 1), _k("gemm", 100, 400, 1)])
     on = trace_gaps.summary([_step(0, 50, 0, 0, 3, 3), _launch(10, 1), _k("gemm", 100, 440, 1),
-                             _k("_ring_advance", 540, 10, 1), _step(60, 50, 1, 64, 0, 0)])
+                             _k("_ring_advance", 545, 10, 1), _step(60, 50, 1, 64, 0, 0)])
     text = trace_gaps.compare(off, on)
-    assert "| decode 1-8 | 1 / 1 | 3 / 3 | 400 / 440 | x1.100 | 10 | 400 / 450 | x1.125 | 0 / 0 |" in text
+    assert "| decode 1-8 | 1 / 1 | 3 / 3 | 400 / 440 | x1.100 | 10 | 400 / 455 | x1.137 | 0 / 0 | 0 / 5 |" in text
     assert "| prefill | None / None |" not in text and "steps 1 / 2" in text
     assert "        0 /        10  _ring_advance" in text.split("own in steps, the longest by kernel, us (off / on):")[1]
     (tmp_path / "a.json").write_text(json.dumps(off))
