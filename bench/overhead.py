@@ -195,7 +195,8 @@ def _latest_stats(stats_dir: Path) -> dict:
 def capture_delta(before: dict, after: dict, serving_s: float) -> dict:
     """What the capture did between two stats snapshots of one engine over ``serving_s`` seconds of serving:
     attn-otel's GPU time (its kernels, timed with CUDA events) by part and in all, as a share of the serving
-    time, its host time on the engine loop, and the captures stored and dropped."""
+    time, its host time on the engine loop, the captures stored and dropped, and the garbage collector's pauses in
+    the engine core by generation (``gc``: how many and their seconds; a full collection stops the engine loop)."""
     def num(d: dict, k: str) -> float:
         return float(d.get(k) or 0.0)
 
@@ -204,7 +205,11 @@ def capture_delta(before: dict, after: dict, serving_s: float) -> dict:
     host = sum((after.get("step_host_s") or {}).values()) - sum((before.get("step_host_s") or {}).values())
     was = before.get("dropped") or {}
     dropped = {r: n - was.get(r, 0) for r, n in (after.get("dropped") or {}).items() if n - was.get(r, 0)}
+    g0, g1 = before.get("gc_pauses") or {}, after.get("gc_pauses") or {}
+    gc_d = {k: [round(y - x, 4) for x, y in zip(g0.get(k) or [0, 0, 0], g1.get(k) or [0, 0, 0])]
+            for k in ("count", "total_s")}
     return {"serving_s": serving_s, **parts, "gpu_s": gpu, "gpu_share": gpu / serving_s if serving_s > 0 else None,
+            "gc": gc_d,
             "host_s": host, "host_share": host / serving_s if serving_s > 0 else None,
             "stored": int(num(after, "stored") - num(before, "stored")), "dropped": dropped}
 
@@ -257,7 +262,8 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
             result["capture"] = after  # so far: the end of the phase replaces it
             before = after
             print(f"[{phase}] {wl}: attn-otel GPU time {delta['gpu_s']:.2f} s, {delta['gpu_share'] or 0:.1%} of "
-                  f"{delta['serving_s']:.0f} s serving", flush=True)
+                  f"{delta['serving_s']:.0f} s serving; the engine core's collections by generation "
+                  f"{delta['gc']['count']} ({delta['gc']['total_s']} s)", flush=True)
         (out / f"phase-{phase}.json").write_text(json.dumps(result, indent=1))  # kept if a later workload dies
     del llm
     gc.collect()

@@ -85,6 +85,11 @@ def test_a_workloads_capture_delta_is_the_difference_of_two_engine_snapshots(tmp
     assert d["finish_device_s"] == pytest.approx(final["finish_device_s"]) and d["stream_direct_device_s"] == pytest.approx(1.0)
     assert d["host_s"] == pytest.approx(sum(final["step_host_s"].values()) / 2)
     assert d["stored"] == 100 and d["dropped"] == {"queue_full": 2, "shutdown": 1}
+    gc_before = {"count": [300, 20, 3], "total_s": [0.1, 0.05, 1.5], "max_s": [0.004, 0.03, 0.6]}
+    gc_after = {"count": [340, 23, 4], "total_s": [0.12, 0.06, 1.62], "max_s": [0.004, 0.03, 0.6]}
+    d = overhead.capture_delta({**half, "gc_pauses": gc_before}, {**after, "gc_pauses": gc_after}, 100.0)
+    assert d["gc"] == {"count": [40, 3, 1], "total_s": [0.02, 0.01, 0.12]}  # one full collection while it served
+    assert whole["gc"] == {"count": [0, 0, 0], "total_s": [0, 0, 0]}  # run 28's stats had no gc_pauses yet
     assert overhead.capture_delta(final, final, 0.0)["gpu_share"] is None
 
 
