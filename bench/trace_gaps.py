@@ -148,6 +148,8 @@ def summary(events: list[dict]) -> dict:
     per_step = [{"own": 0.0, "vllm": 0.0, "first": None, "last": None} for _ in steps]
     outside: collections.Counter = collections.Counter()
     by_name: dict = {"own in steps": collections.Counter(), "outside steps": collections.Counter()}
+    in_steps: collections.Counter = collections.Counter()  # every kernel launched in a step: (time, launches)
+    in_steps_n: collections.Counter = collections.Counter()
     gpu = []
     for e in events:
         if not (e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
@@ -163,6 +165,8 @@ def summary(events: list[dict]) -> dict:
             continue
         if own:
             by_name["own in steps"][e.get("name", "")[:60]] += d
+        in_steps[e.get("name", "")[:60]] += d
+        in_steps_n[e.get("name", "")[:60]] += 1
         p = per_step[i]
         p["own" if own else "vllm"] += d
         p["first"] = a if p["first"] is None else min(p["first"], a)
@@ -208,7 +212,8 @@ def summary(events: list[dict]) -> dict:
     busy = cum[-1]
     span = merged[-1][1] - merged[0][0] if merged else 0.0
     return {"steps": len(steps), "kinds": kinds, "outside_us": dict(outside), "span_us": span, "busy_us": busy,
-            "idle_us": span - busy, "by_name_us": {k: dict(v.most_common(12)) for k, v in by_name.items()}}
+            "idle_us": span - busy, "by_name_us": {k: dict(v.most_common(12)) for k, v in by_name.items()},
+            "in_steps": {n: [round(t, 1), in_steps_n[n]] for n, t in in_steps.most_common(200)}}
 
 
 def compare(off: dict, on: dict) -> str:
@@ -238,6 +243,13 @@ def compare(off: dict, on: dict) -> str:
             out += [f"  {off.get('by_name_us', {}).get(part, {}).get(n, 0):9.0f} / "
                     f"{on.get('by_name_us', {}).get(part, {}).get(n, 0):9.0f}  {n}"
                     for n in sorted(names, key=lambda n: -on.get("by_name_us", {}).get(part, {}).get(n, 0))]
+    a_in, b_in = off.get("in_steps") or {}, on.get("in_steps") or {}
+    if a_in and b_in:  # which kernels the steps gain or lose (time and launches), the largest changes first
+        delta = {n: (b_in.get(n, [0, 0])[0] - a_in.get(n, [0, 0])[0], b_in.get(n, [0, 0])[1] - a_in.get(n, [0, 0])[1])
+                 for n in set(a_in) | set(b_in)}
+        out += ["", "kernels launched in the steps, the largest changes (time us, launches; on - off):"]
+        out += [f"  {dt:+10.0f} us {dn:+7d}  {n}" for n, (dt, dn) in
+                sorted(delta.items(), key=lambda kv: -abs(kv[1][0]))[:15] if dt or dn]
     out += ["", "kernels launched outside every step, us: "
             f"{json.dumps({k: round(v) for k, v in off['outside_us'].items()})} / "
             f"{json.dumps({k: round(v) for k, v in on['outside_us'].items()})}"]

@@ -124,6 +124,8 @@ def test_compare_sets_two_summaries_side_by_side_by_step_kind(tmp_path):
     assert "| decode 1-8 | 1 / 1 | 3 / 3 | 400 / 440 | x1.100 | 10 | 400 / 455 | x1.137 | 0 / 0 | 0 / 5 |" in text
     assert "| prefill | None / None |" not in text and "steps 1 / 2" in text
     assert "        0 /        10  _ring_advance" in text.split("own in steps, the longest by kernel, us (off / on):")[1]
+    changes = text.split("the largest changes (time us, launches; on - off):")[1].splitlines()
+    assert changes[1].split() == ["+40", "us", "+0", "gemm"] and changes[2].split() == ["+10", "us", "+1", "_ring_advance"]
     (tmp_path / "a.json").write_text(json.dumps(off))
     (tmp_path / "b.json").write_text(json.dumps(on))
     assert trace_gaps.main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
