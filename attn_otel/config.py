@@ -115,9 +115,9 @@ the process's interval alone.  Default ``0.2``."""
 ATTN_OTEL_EVENT_WAIT = "ATTN_OTEL_EVENT_WAIT"
 """How attn-otel's threads wait for device work (a writer thread for a finish batch's results, a maps
 capture's copies): ``sleep`` (default), on blocking-sync CUDA events, the thread asleep in the driver until
-the device reaches the event; ``spin``, on plain events, whose wait polls the driver and takes its lock over
-and over, so that the engine loop's launches queue behind the polls (as up to 2026-11-29; see
-:func:`attn_otel.timing.wait_event`)."""
+the device reaches the event; ``spin``, on plain events, whose wait polls the driver, a CPU core busy and the
+driver's lock taken over and over while it waits (as up to 2026-11-29; see :func:`attn_otel.timing.wait_event`).
+On an H200 (run 43) ``sleep`` cut the writer threads' CPU x0.15 and left throughput where it was."""
 
 ATTN_OTEL_AFTER_LAUNCH = "ATTN_OTEL_AFTER_LAUNCH"
 """``1``: capture work that no forward is waiting for (a batch of finished requests' captures none of whose

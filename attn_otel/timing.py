@@ -13,10 +13,11 @@ SLEEP = [True]  # ATTN_OTEL_EVENT_WAIT=sleep (the default); the capture engine s
 def wait_event(enable_timing: bool = False) -> torch.cuda.Event:
     """A CUDA event that some host thread will wait on (``synchronize``).  With ``ATTN_OTEL_EVENT_WAIT=sleep``
     (the default) it is a blocking-sync event: the waiting thread sleeps in the driver until the device
-    reaches it.  A plain event's wait polls the driver instead, taking the CUDA driver's lock over and over,
-    and the engine loop's launches queue behind those polls (vLLM made its own per-step events blocking for
-    the same reason, vllm-project/vllm#47081; attn-otel's writer threads each wait on a finish batch's event
-    for up to tens of milliseconds).  ``spin``: plain events, as up to 2026-11-29."""
+    reaches it.  A plain event's wait polls the driver instead: a CPU core busy for as long as it waits (the
+    writer threads wait on a finish batch's event for up to tens of milliseconds), and the driver's lock, which
+    the engine loop's launches need too, taken over and over (vLLM made its own per-step events blocking for
+    that reason, vllm-project/vllm#47081).  Run 43 (H200, mixed workload): the writer threads' CPU x0.15 with
+    ``sleep``, throughput level with ``spin``.  ``spin``: plain events, as up to 2026-11-29."""
     return torch.cuda.Event(enable_timing=enable_timing, blocking=SLEEP[0])
 
 
