@@ -23,7 +23,7 @@ from .attention import METRICS, ROWS, attention_metrics, metric_width, reconstru
 from .config import Config
 from .handoff import ByteBudget, Handoff, Job
 from .hostmem import SegmentPool, Staging
-from .plan import Plan, Planner
+from .plan import MAP_ITEM, Plan, Planner
 from .slots import slots_of, upload
 from .stats import Stats, WarnOnce
 from .store import CaptureRecord
@@ -193,7 +193,7 @@ class ComputeThread:
         # (attn_otel.hostmem says why neither a pinned nor a pageable buffer per capture will do).
         maps_host, maps_seg = None, None
         if p.want_maps:
-            maps_seg = self.maps_pool.acquire(L * H * T * T * 2)
+            maps_seg = self.maps_pool.acquire(MAP_ITEM * L * H * T * T)  # float16, as the planner reserved
             maps_host = (maps_seg.tensor((L, H, T, T), torch.float16) if maps_seg is not None
                          else torch.empty((L, H, T, T), dtype=torch.float16))
             for li, spec in enumerate(layers):

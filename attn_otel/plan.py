@@ -28,6 +28,11 @@ from .tracking import FinishedRequest, Parallel
 
 logger = logging.getLogger("attn_otel")
 
+# Bytes a capture holds in the hand-off, per layer and head: its maps MAP_ITEM per (query, key) pair (float16),
+# its per-row metrics ROW_ITEM per token (float32 each)
+MAP_ITEM = 2
+ROW_ITEM = len(METRICS) * 4
+
 
 def map_token_limit(max_tokens: int, room: int, layers: int, heads: int) -> int:
     """The longest request, in tokens, that can get maps: at most ``max_tokens`` (ATTN_OTEL_MAX_MAP_TOKENS),
@@ -35,9 +40,9 @@ def map_token_limit(max_tokens: int, room: int, layers: int, heads: int) -> int:
     hold (ATTN_OTEL_QUEUE_BYTES less the room kept for captures without maps)."""
     if layers <= 0 or heads <= 0:
         return max_tokens
-    # Planner.plan's bytes of a capture with maps, a T^2 + b T (float16 maps, float32 per-row metrics): the
-    # largest T within room, exactly in integers (the floor of the square root keeps the floor of the root)
-    a, b = 2 * layers * heads, len(METRICS) * 4 * layers * heads
+    # Planner.plan's bytes of a capture with maps, a T^2 + b T: the largest T within room, exactly in integers
+    # (the floor of the square root keeps the floor of the root)
+    a, b = MAP_ITEM * layers * heads, ROW_ITEM * layers * heads
     return min(max_tokens, (math.isqrt(b * b + 4 * a * max(room, 0)) - b) // (2 * a))
 
 
@@ -169,13 +174,14 @@ class Planner:
         H = max(s.num_heads for s in layers)
         L = len(layers)
         summarised = self.summarised(want_maps)
+        maps_bytes = MAP_ITEM * L * H * T * T
         if summarised:  # only its summary leaves the device (see attn_otel.finish)
             nbytes = 2 * len(METRICS) * 4 * L * H * 4
         else:
-            nbytes = len(METRICS) * L * H * T * 4 + (L * H * T * T * 2 if want_maps else 0)
+            nbytes = ROW_ITEM * L * H * T + (maps_bytes if want_maps else 0)
         if not self.handoff.reserve(nbytes, maps=want_maps):
-            if want_maps and self.handoff.reserve(nbytes - L * H * T * T * 2):
-                nbytes -= L * H * T * T * 2
+            if want_maps and self.handoff.reserve(nbytes - maps_bytes):
+                nbytes -= maps_bytes
                 want_maps = False
                 self.stats.add("skipped", reason="maps_queue_full")
             else:
