@@ -147,26 +147,24 @@ def summary(events: list[dict]) -> dict:
     kinds: dict = {}
     per_step = [{"own": 0.0, "vllm": 0.0, "first": None, "last": None} for _ in steps]
     outside: collections.Counter = collections.Counter()
-    by_name: dict = {"own in steps": collections.Counter(), "outside steps": collections.Counter()}
-    in_steps: collections.Counter = collections.Counter()  # every kernel launched in a step: (time, launches)
+    outside_by_name: collections.Counter = collections.Counter()
+    in_steps: collections.Counter = collections.Counter()  # every kernel launched in a step: time, launches
     in_steps_n: collections.Counter = collections.Counter()
     gpu = []
     for e in events:
         if not (e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")):
             continue
-        a, d, args = e["ts"], e.get("dur", 0), e.get("args") or {}
+        a, d, args, name = e["ts"], e.get("dur", 0), e.get("args") or {}, e.get("name", "")[:60]
         gpu.append((a, a + d))
-        own = e.get("cat") == "kernel" and e.get("name", "").startswith(OWN)
+        own = e.get("cat") == "kernel" and name.startswith(OWN)
         t, tid = launch.get(args.get("correlation"), (None, None))
         i = bisect.bisect_right(starts, t) - 1 if t is not None else -1
         if i < 0 or t > steps[i][1] or tid != steps[i][3]:
             outside[f"stream {args.get('stream')} {'attn-otel' if own else 'other'}"] += d
-            by_name["outside steps"][e.get("name", "")[:60]] += d
+            outside_by_name[name] += d
             continue
-        if own:
-            by_name["own in steps"][e.get("name", "")[:60]] += d
-        in_steps[e.get("name", "")[:60]] += d
-        in_steps_n[e.get("name", "")[:60]] += 1
+        in_steps[name] += d
+        in_steps_n[name] += 1
         p = per_step[i]
         p["own" if own else "vllm"] += d
         p["first"] = a if p["first"] is None else min(p["first"], a)
@@ -212,7 +210,8 @@ def summary(events: list[dict]) -> dict:
     busy = cum[-1]
     span = merged[-1][1] - merged[0][0] if merged else 0.0
     return {"steps": len(steps), "kinds": kinds, "outside_us": dict(outside), "span_us": span, "busy_us": busy,
-            "idle_us": span - busy, "by_name_us": {k: dict(v.most_common(12)) for k, v in by_name.items()},
+            "idle_us": span - busy, "by_name_us": {"own in steps": dict([(n, t) for n, t in in_steps.most_common() if n.startswith(OWN)][:12]),
+                           "outside steps": dict(outside_by_name.most_common(12))},
             "in_steps": {n: [round(t, 1), in_steps_n[n]] for n, t in in_steps.most_common(200)}}
 
 
