@@ -676,26 +676,38 @@ def _kv_fits(kv: tuple, n: int, ordinal: int) -> bool:
                     for t in (k, v)))
 
 
-SUMMARY_MAX_ROWS = 2048  # the longest part (rows) summarised by one Triton program (its rows in registers)
+SUMMARY_MAX_ROWS = 16384  # the longest part (rows) summarised by one Triton program (its rows in registers)
+
+
+def summary_warps(block: int) -> int:
+    """Warps of :func:`summaries`' program for parts of up to ``block`` rows: 4 up to 2,048 rows, then one more
+    warp for every 512 rows (32 at 16,384), so that a thread holds the same 16 rows' keys, and the same [8, 16]
+    comparisons a counting pass, in every bucket."""
+    return max(4, min(32, block // 512))
 
 
 def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], vision: bool,
-              quantiles: tuple[float, float, float], out: torch.Tensor) -> bool:
+              quantiles: tuple[float, float, float], out: torch.Tensor) -> list[int] | None:
     """Per request, part, metric, layer and head of ``per_row [L, 7, H, sum T]`` (any strides, float16 or
     float32; request b's rows at ``cu[b]:cu[b+1]``, its first ``prompt_lens[b]`` the prompt's): the mean of
     the defined rows and their "linear" quantiles, into ``out [B, 2, 7, 4, L, H]`` float32 (stats: mean and
     the three quantiles; left as they are where a part lacks a metric: vision metrics unless ``vision``,
-    lookback in the prompt).  One launch per power-of-two bucket of part lengths, no host sync.  False
-    (nothing done) where this does not apply: not CUDA, or a part longer than ``SUMMARY_MAX_ROWS`` rows."""
+    lookback in the prompt).  One launch per power-of-two bucket of part lengths, no host sync.  Returns the
+    requests it left as they are in ``out``, those with a part longer than ``SUMMARY_MAX_ROWS`` rows (the caller
+    summarises those; every other request of the batch is done here); None (nothing done) where this does not
+    apply: not CUDA."""
     if not available(per_row.device):
-        return False
+        return None
     segs: dict[int, list[tuple[int, int, int, int]]] = {}
+    left = []
     for b in range(len(cu) - 1):
         T = cu[b + 1] - cu[b]
         N = min(int(prompt_lens[b]), T)
-        for part, (start, n) in enumerate(((cu[b], N), (cu[b] + N, T - N))):
-            if n > SUMMARY_MAX_ROWS:
-                return False
+        parts = ((cu[b], N), (cu[b] + N, T - N))
+        if max(N, T - N) > SUMMARY_MAX_ROWS:
+            left.append(b)
+            continue
+        for part, (start, n) in enumerate(parts):
             if n > 0:
                 segs.setdefault(max(16, triton.next_power_of_2(n)), []).append((b, part, start, n))
 
@@ -707,8 +719,8 @@ def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], visi
             _summaries[(H, L, len(items))](
                 per_row, seg, out, len(items), *per_row.stride(), *out.stride(), *quantiles,
                 VISION=bool(vision), M=M, NBITS=16 if per_row.dtype == torch.float16 else 32, BLOCK=block,
-                num_warps=4)
-    return True
+                num_warps=summary_warps(block))
+    return left
 
 
 def summary_buckets() -> list[int]:

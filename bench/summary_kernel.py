@@ -7,6 +7,11 @@ buffer, ``[L, T, 7, H]`` viewed as ``[L, 7, H, T]``), and the 4 tapped layers' f
 times another copy of ``attn_otel/triton_metrics.py`` (an earlier kernel) on the same inputs and checks
 that it gives the same summaries.
 
+A third input is a finish batch of the mixed workload (bench/workloads.py) with one long request: 15 requests of
+512 + 256 rows and one of 7,000 + 128, the default's 4 streamed layers' float16 gather.  It times the whole
+finish-time summary (:func:`attn_otel.finish.device_summaries`) against its torch code alone, which is what such a
+batch took up to run 44 (a part over 2,048 rows sent the whole batch there), and checks that the two agree.
+
     python3 bench/summary_kernel.py [--module PATH] [--out DIR]
 """
 
@@ -48,8 +53,34 @@ def _time(mod, rows: torch.Tensor, reps: int) -> tuple[float, torch.Tensor]:
     cu = [i * (PROMPT + GENERATED) for i in range(REQUESTS + 1)]
     prompts = [PROMPT] * REQUESTS
     out = torch.full((REQUESTS, 2, M, 4, rows.shape[0], H), float("nan"), device="cuda")
-    assert mod.summaries(rows, cu, prompts, False, QUANTILES, out)  # compile, warm
+    done = mod.summaries(rows, cu, prompts, False, QUANTILES, out)  # compile, warm
+    assert done is True or done == []  # an earlier kernel's True, or no request left to torch
     return device_ms(lambda: mod.summaries(rows, cu, prompts, False, QUANTILES, out), reps, warmups=0), out
+
+
+def _mixed_batch(reps: int) -> dict:
+    """device_summaries on a mixed finish batch with one long request: the Triton kernel for every part
+    against the torch code for the whole batch."""
+    from attn_otel.finish import device_summaries
+
+    Ts = [PROMPT + GENERATED] * 15 + [7000 + 128]
+    prompts = [PROMPT] * 15 + [7000]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = torch.rand(4, sum(Ts), M, H, device="cuda", generator=g).half().permute(0, 2, 3, 1)
+    cu = [0]
+    for t in Ts:
+        cu.append(cu[-1] + t)
+    res = {}
+    outs = {}
+    for name, fused in (("kernel", None), ("torch", False)):
+        fn = lambda: device_summaries(rows, cu, prompts, vision=False, fused=fused)  # noqa: E731
+        outs[name] = fn()
+        res[f"{name}_ms"] = device_ms(fn, reps)
+    a, b = outs["kernel"], outs["torch"]
+    ok = torch.isnan(a) == torch.isnan(b)
+    err = ((a - b).abs() / (1e-6 + 1e-5 * b.abs())).nan_to_num(0.0).max().item()
+    res.update(kernel_over_torch=res["kernel_ms"] / res["torch_ms"], nan_agree=bool(ok.all()), err_in_tolerance_units=err)
+    return res
 
 
 def main(argv=None) -> int:
@@ -77,6 +108,8 @@ def main(argv=None) -> int:
                 row["equal_to_current"][name] = bool(torch.equal(out.nan_to_num(7.0), reference[name].nan_to_num(7.0)))
         results["runs"].append(row)
         print(label, {k: round(v, 3) for k, v in row["ms"].items()}, row["equal_to_current"] or "", flush=True)
+    results["mixed_batch_one_long_request"] = _mixed_batch(args.reps)
+    print("mixed finish batch, one long request:", results["mixed_batch_one_long_request"], flush=True)
     (args.out / "summary_kernel.json").write_text(json.dumps(results, indent=1))
     return 0
 
