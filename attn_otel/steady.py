@@ -61,6 +61,12 @@ class Steady:
         for m in self._m.values():
             self._apply(m, e)
 
+    def unsettled(self) -> int:
+        """Stream rows the members took and :meth:`settle` has not applied yet, without applying them: for readers
+        on other threads (the stats file), which must not change the counts the engine loop updates."""
+        e = self.epoch
+        return sum(e - m[0] for m in list(self._m.values()) if m[2] is not None)
+
     def leave(self, req_id: str) -> None:
         """Apply its counts and stop counting it (finished, preempted, or back to the ordinary path)."""
         m = self._m.pop(req_id, None)

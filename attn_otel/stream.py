@@ -348,9 +348,11 @@ class MetricsStream:
         return sum(t.numel() * t.element_size() for t in ts)
 
     def pending(self) -> int:
-        """Rows written and not flushed yet."""
-        _settled(self)
-        return sum(lv.count for lv in self._live.values())
+        """Rows written and not flushed yet.  Read-only, for the stats thread: the step counter's members count
+        unsettled (settling them there raced the engine loop's own settling, and the walk failed the stats
+        file with "dictionary changed size during iteration", run 44)."""
+        steady = self.steady
+        return sum(lv.count for lv in list(self._live.values())) + (steady.unsettled() if steady is not None else 0)
 
     def _reclaim(self, upto: int) -> None:
         """Before a forward writes the ring's rows up to ``upto`` (not wrapped), so over the rows before

@@ -100,3 +100,28 @@ def test_a_step_whose_bookkeeping_fails_still_counts_the_members_token():
         vllm_adapter._track = orig
     s.settle_all()
     assert not s.due and (t.written, lv.next) == (2, 2)
+
+
+def test_the_stats_threads_count_of_pending_rows_settles_nothing():
+    """MetricsStream.pending, which the stats thread calls once a second while the engine loop runs: the rows the
+    step counter's members took count as settling them would count them, and no member is settled (run 44: the
+    stats thread's settle_all raced the engine loop's own settling, which could apply a member's steps twice, and
+    its walk of the members failed the stats file with "dictionary changed size during iteration")."""
+    from attn_otel.stream import MetricsStream
+
+    s = Steady(BS)
+    recs = {r: rec(1) for r in "abc"}
+    s.bump()
+    for r, (t, lv) in recs.items():
+        s.join(r, t, lv, 1)
+    for _ in range(2):  # each member takes positions 1 and 2
+        assert s.split(list("abc"), [None] * 3, True, {}) == []
+        s.bump()
+    stream = SimpleNamespace(_live={r: lv for r, (_, lv) in recs.items()}, steady=s)
+    before = [(t.written, lv.count, lv.next) for t, lv in recs.values()]
+    assert MetricsStream.pending(stream) == 3 * (1 + 2)
+    assert [(t.written, lv.count, lv.next) for t, lv in recs.values()] == before  # nothing applied
+    assert s.unsettled() == 6 and len(s) == 3
+    s.settle_all()  # the engine loop's settling gives the same count
+    assert sum(lv.count for _, lv in recs.values()) == 9 and s.unsettled() == 0
+    assert MetricsStream.pending(stream) == 9
