@@ -70,7 +70,6 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
         names = [n for n in SUMMARY_METRICS[:M] if (vision or n not in VISION)
                  and (part == "generated" or n not in GENERATED_ONLY)]
         mi = up([SUMMARY_METRICS.index(n) for n in names])
-        src = per_row.index_select(1, mi)  # [L, m, H, sum T]
         m = len(names)
         starts, lens = [], []
         for b in todo:
@@ -88,8 +87,10 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
             ar = torch.arange(tmax, device=dev)
             start = up(starts[k0:k1])
             ln = up(lens[k0:k1])
-            idx = (start[:, None] + ar[None, :]).clamp(max=src.shape[-1] - 1)  # [n, tmax]
-            v = src[..., idx.reshape(-1)].reshape(L, m, H, k1 - k0, tmax)
+            idx = (start[:, None] + ar[None, :]).clamp(max=per_row.shape[-1] - 1)  # [n, tmax]
+            # these requests' rows first, then the part's metrics: on a GPU the requests here are a few long ones
+            # of the batch, and selecting the metrics of every row of the batch first copied them all
+            v = per_row[..., idx.reshape(-1)].index_select(1, mi).reshape(L, m, H, k1 - k0, tmax)
             v = torch.where(ar[None, :] < ln[:, None], v, torch.full((), float("nan"), device=dev))
             defined = ~torch.isnan(v)
             count = defined.sum(-1)
