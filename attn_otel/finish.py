@@ -55,42 +55,34 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
 
     out = torch.full((B, len(PARTS), len(SUMMARY_METRICS), len(SUMMARY_STATS), L, H), float("nan"),
                      dtype=torch.float32, device=dev)
-    todo = list(range(B))
-    if fused is not False:
-        # one Triton launch per bucket of part lengths (on a GPU); the torch code below takes only the requests
-        # with a part too long for one program (run 44: a finish batch with one such request had sent the whole
-        # batch to the torch code, whose sorts and gathers were half of attn-otel's device time in decode steps)
-        left = triton_metrics.summaries(per_row, [int(x) for x in cu], list(prompt_lens), vision,
-                                        tuple(QUANTILES.values()), out)
-        if left is not None:
-            todo = left
-    if not todo:
-        return out
+    if fused is not False and triton_metrics.summaries(per_row, [int(x) for x in cu], list(prompt_lens), vision,
+                                                       tuple(QUANTILES.values()), out):
+        return out  # one Triton launch per bucket of part lengths (on a GPU)
     for pi, part in enumerate(PARTS):
         names = [n for n in SUMMARY_METRICS[:M] if (vision or n not in VISION)
                  and (part == "generated" or n not in GENERATED_ONLY)]
         mi = up([SUMMARY_METRICS.index(n) for n in names])
+        src = per_row.index_select(1, mi)  # [L, m, H, sum T]
         m = len(names)
         starts, lens = [], []
-        for b in todo:
+        for b in range(B):
             T = int(cu[b + 1] - cu[b])
             N = min(int(prompt_lens[b]), T)
             starts.append(int(cu[b]) if part == "prompt" else int(cu[b]) + N)
             lens.append(N if part == "prompt" else T - N)
-        k0 = 0
-        while k0 < len(todo):  # chunks of requests, each padded to its longest part
-            tmax = max(lens[k0], 1)
-            k1 = k0 + 1
-            while k1 < len(todo) and (k1 + 1 - k0) * max(tmax, lens[k1]) * L * m * H * 4 <= SUMMARY_CHUNK_BYTES:
-                tmax = max(tmax, lens[k1])
-                k1 += 1
+        b0 = 0
+        while b0 < B:  # chunks of requests, each padded to its longest part
+            tmax = max(lens[b0], 1)
+            b1 = b0 + 1
+            while b1 < B and (b1 + 1 - b0) * max(tmax, lens[b1]) * L * m * H * 4 <= SUMMARY_CHUNK_BYTES:
+                tmax = max(tmax, lens[b1])
+                b1 += 1
+            n = b1 - b0
             ar = torch.arange(tmax, device=dev)
-            start = up(starts[k0:k1])
-            ln = up(lens[k0:k1])
-            idx = (start[:, None] + ar[None, :]).clamp(max=per_row.shape[-1] - 1)  # [n, tmax]
-            # these requests' rows first, then the part's metrics: on a GPU the requests here are a few long ones
-            # of the batch, and selecting the metrics of every row of the batch first copied them all
-            v = per_row[..., idx.reshape(-1)].index_select(1, mi).reshape(L, m, H, k1 - k0, tmax)
+            start = up(starts[b0:b1])
+            ln = up(lens[b0:b1])
+            idx = (start[:, None] + ar[None, :]).clamp(max=src.shape[-1] - 1)  # [n, tmax]
+            v = src[..., idx.reshape(-1)].reshape(L, m, H, n, tmax)
             v = torch.where(ar[None, :] < ln[:, None], v, torch.full((), float("nan"), device=dev))
             defined = ~torch.isnan(v)
             count = defined.sum(-1)
@@ -109,13 +101,8 @@ def device_summaries(per_row: torch.Tensor, cu: Sequence[int], prompt_lens: Sequ
                 val = torch.where(t >= 0.5, bv - (bv - a) * (1 - t), a + (bv - a) * t)
                 stats.append(torch.where(count > 0, val, float("nan")))
             # [L, m, H, n] per stat -> [n, m, stat, L, H]
-            got = torch.stack(stats, 0).permute(4, 2, 0, 1, 3)
-            if todo[k1 - 1] - todo[k0] == k1 - 1 - k0:  # consecutive requests (every request, on a CPU)
-                out[todo[k0]:todo[k1 - 1] + 1, pi, mi] = got
-            else:
-                for k in range(k0, k1):
-                    out[todo[k], pi, mi] = got[k - k0]
-            k0 = k1
+            out[b0:b1, pi, mi] = torch.stack(stats, 0).permute(4, 2, 0, 1, 3)
+            b0 = b1
     return out
 
 

@@ -395,17 +395,56 @@ if triton is not None:
             u = tl.where(k >= 2147483648, k - 2147483648, 4294967295 - k)
             return tl.where(u >= 2147483648, u - 4294967296, u).to(tl.int32).to(tl.float32, bitcast=True)
 
+    @triton.jit
+    def _keys(raw, NBITS: tl.constexpr):
+        # A part's rows (as loaded, NaN where masked) as float32 values, whether each is defined, and keys in the
+        # floats' order (NBITS 16: float16 rows, read as they are; 32: as float32); undefined rows get the largest
+        # key, never selected.
+        if NBITS == 16:
+            bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
+            key = tl.where(bits < 0, -1 - bits, bits + 32768)  # negative floats reversed, below the rest
+            top = 65535
+            v = raw.to(tl.float32)
+        else:
+            v = raw.to(tl.float32)
+            bits = v.to(tl.int32, bitcast=True).to(tl.int64)
+            key = tl.where(bits < 0, -1 - bits, bits + 2147483648)
+            top = 4294967295
+        ok = v == v
+        return tl.where(ok, key, top), v, ok
+
+    @triton.jit
+    def _kth_looped(ptr, n, sx_t, r, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+        # _kth over a part longer than a program holds (``ptr``: its first row; ``n`` rows ``sx_t`` apart): each
+        # counting pass reads the part again, BLOCK rows at a time.
+        if NBITS == 16:
+            prefix = tl.zeros(r.shape, tl.int32)
+        else:
+            prefix = tl.zeros(r.shape, tl.int64)
+        ar = tl.arange(0, BLOCK)
+        for bit in range(NBITS - 1, -1, -1):
+            cand = prefix + (tl.full([], 1, prefix.dtype) << bit)
+            below = tl.zeros(r.shape, tl.int32)
+            for c0 in range(0, n, BLOCK):
+                raw = tl.load(ptr + (c0 + ar).to(tl.int64) * sx_t, mask=c0 + ar < n, other=float("nan"))
+                key, _, _ = _keys(raw, NBITS)
+                below += tl.sum((key[None, :] < cand[:, None]).to(tl.int32), 1)
+            prefix = tl.where(below <= r, cand, prefix)
+        return prefix
+
     # Counts and strides that vary per call are not specialised on: no recompile mid-serving when a count is 1
     # or a row count's divisibility changes.
     @triton.jit(do_not_specialize=["nseg", "sx_l", "sx_m", "sx_h", "sx_t", "so_b", "so_p", "so_m", "so_s", "so_l",
                                    "so_h"])
     def _summaries(X, SEG, OUT, nseg, sx_l, sx_m, sx_h, sx_t, so_b, so_p, so_m, so_s, so_l, so_h,
-                   q1, q2, q3, VISION: tl.constexpr, M: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr):
+                   q1, q2, q3, VISION: tl.constexpr, M: tl.constexpr, NBITS: tl.constexpr, BLOCK: tl.constexpr,
+                   LOOPED: tl.constexpr = False):
         # One program: one segment (a request's prompt or generated rows: SEG[0..3] = request, part, first
         # row, length) of one layer and head; for each metric the part has, the mean of its defined (non-NaN)
         # rows and NumPy's "linear" quantiles q1..q3 of them.  The order statistics are selected on the floats'
         # bits mapped to keys in the floats' order (NBITS 16: float16 rows, read as they are; 32: any other
-        # dtype, as float32); undefined rows get the largest key, never selected.
+        # dtype, as float32); undefined rows get the largest key, never selected.  LOOPED: a part longer than
+        # BLOCK rows, read BLOCK rows at a time (once for the sums, once a counting pass), not held in registers.
         # Heads vary fastest across programs: neighbouring programs read neighbouring elements where the rows
         # are a per-slot buffer's gather ([L, T, 7, H] viewed as [L, 7, H, T]: a head's rows lie 7 * H
         # elements apart), so the sectors they load are shared through L2 instead of each fetched for one value.
@@ -424,22 +463,20 @@ if triton is not None:
             if m == 4 or m == 5:  # the vision metrics: only where some request has an image
                 applies = VISION
             if applies and (m != 6 or part == 1):  # lookback: generated rows only
-                raw = tl.load(X + li * sx_l + m * sx_m + hi * sx_h + (start + ar).to(tl.int64) * sx_t, mask=inb,
-                              other=float("nan"))
-                if NBITS == 16:
-                    bits = raw.to(tl.int16, bitcast=True).to(tl.int32)
-                    key = tl.where(bits < 0, -1 - bits, bits + 32768)  # negative floats reversed, below the rest
-                    top = 65535
-                    v = raw.to(tl.float32)
+                ptr = X + li * sx_l + m * sx_m + hi * sx_h + start.to(tl.int64) * sx_t
+                if LOOPED:
+                    cnt = tl.zeros([], tl.int32)
+                    tot = tl.zeros([], tl.float32)
+                    for c0 in range(0, n, BLOCK):
+                        raw = tl.load(ptr + (c0 + ar).to(tl.int64) * sx_t, mask=c0 + ar < n, other=float("nan"))
+                        _, v, ok = _keys(raw, NBITS)
+                        cnt += tl.sum(ok.to(tl.int32), 0)
+                        tot += tl.sum(tl.where(ok, v, 0.0), 0)
                 else:
-                    v = raw.to(tl.float32)
-                    bits = v.to(tl.int32, bitcast=True).to(tl.int64)
-                    key = tl.where(bits < 0, -1 - bits, bits + 2147483648)
-                    top = 4294967295
-                ok = v == v
-                key = tl.where(ok, key, top)
-                cnt = tl.sum(ok.to(tl.int32), 0)
-                tot = tl.sum(tl.where(ok, v, 0.0), 0)
+                    raw = tl.load(ptr + ar.to(tl.int64) * sx_t, mask=inb, other=float("nan"))
+                    key, v, ok = _keys(raw, NBITS)
+                    cnt = tl.sum(ok.to(tl.int32), 0)
+                    tot = tl.sum(tl.where(ok, v, 0.0), 0)
                 last = tl.maximum(cnt - 1, 0)
                 nan = float("nan")
                 tl.store(obase + m * so_m, tl.where(cnt > 0, tot / tl.maximum(cnt, 1).to(tl.float32), nan))
@@ -449,7 +486,10 @@ if triton is not None:
                 pos = qv * last.to(tl.float64)
                 lo = tl.floor(pos).to(tl.int32)
                 rank = tl.where(j % 2 == 0, lo, tl.minimum(lo + 1, last))
-                vals = _unkey(_kth(key, tl.where(j < 6, rank, 0), NBITS), NBITS)
+                if LOOPED:
+                    vals = _unkey(_kth_looped(ptr, n, sx_t, tl.where(j < 6, rank, 0), NBITS, BLOCK), NBITS)
+                else:
+                    vals = _unkey(_kth(key, tl.where(j < 6, rank, 0), NBITS), NBITS)
                 for qi in tl.static_range(3):
                     a = tl.sum(tl.where(j == 2 * qi, vals, 0.0), 0)
                     bv = tl.sum(tl.where(j == 2 * qi + 1, vals, 0.0), 0)
@@ -676,67 +716,71 @@ def _kv_fits(kv: tuple, n: int, ordinal: int) -> bool:
                     for t in (k, v)))
 
 
-SUMMARY_MAX_ROWS = 16384  # the longest part (rows) summarised by one Triton program (its rows in registers)
+SUMMARY_MAX_ROWS = 16384  # the longest part (rows) summarised by one Triton program holding its rows in registers
+SUMMARY_LOOP_ROWS = 4096  # a longer part's program reads it this many rows at a time (LOOPED)
 
 
 def summary_warps(block: int) -> int:
     """Warps of :func:`summaries`' program for parts of up to ``block`` rows: 4 up to 2,048 rows, then one more
     warp for every 512 rows (32 at 16,384), so that a thread holds the same 16 rows' keys, and the same [8, 16]
-    comparisons a counting pass, in every bucket."""
+    comparisons a counting pass, in every bucket (and in a looped program's ``SUMMARY_LOOP_ROWS``)."""
     return max(4, min(32, block // 512))
 
 
 def summaries(per_row: torch.Tensor, cu: list[int], prompt_lens: list[int], vision: bool,
-              quantiles: tuple[float, float, float], out: torch.Tensor) -> list[int] | None:
+              quantiles: tuple[float, float, float], out: torch.Tensor) -> bool:
     """Per request, part, metric, layer and head of ``per_row [L, 7, H, sum T]`` (any strides, float16 or
     float32; request b's rows at ``cu[b]:cu[b+1]``, its first ``prompt_lens[b]`` the prompt's): the mean of
     the defined rows and their "linear" quantiles, into ``out [B, 2, 7, 4, L, H]`` float32 (stats: mean and
     the three quantiles; left as they are where a part lacks a metric: vision metrics unless ``vision``,
-    lookback in the prompt).  One launch per power-of-two bucket of part lengths, no host sync.  Returns the
-    requests it left as they are in ``out``, those with a part longer than ``SUMMARY_MAX_ROWS`` rows (the caller
-    summarises those; every other request of the batch is done here); None (nothing done) where this does not
-    apply: not CUDA."""
+    lookback in the prompt).  One launch per power-of-two bucket of part lengths up to ``SUMMARY_MAX_ROWS``
+    rows, each part's rows in registers, and one for the longer parts, read ``SUMMARY_LOOP_ROWS`` at a time
+    (up to run 44 a part over 2,048 rows sent the whole batch to device_summaries' torch code, whose sorts and
+    gathers were then half of attn-otel's device time in decode steps).  No host sync.  False (nothing done)
+    where this does not apply: not CUDA."""
     if not available(per_row.device):
-        return None
+        return False
     segs: dict[int, list[tuple[int, int, int, int]]] = {}
-    left = []
     for b in range(len(cu) - 1):
         T = cu[b + 1] - cu[b]
         N = min(int(prompt_lens[b]), T)
-        parts = ((cu[b], N), (cu[b] + N, T - N))
-        if max(N, T - N) > SUMMARY_MAX_ROWS:
-            left.append(b)
-            continue
-        for part, (start, n) in enumerate(parts):
-            if n > 0:
-                segs.setdefault(max(16, triton.next_power_of_2(n)), []).append((b, part, start, n))
+        for part, (start, n) in enumerate(((cu[b], N), (cu[b] + N, T - N))):
+            if n > 0:  # bucket 0: the looped program's
+                segs.setdefault(0 if n > SUMMARY_MAX_ROWS else max(16, triton.next_power_of_2(n)), []).append(
+                    (b, part, start, n))
 
     L, M, H, _ = per_row.shape
     for block, all_items in sorted(segs.items()):
+        looped = block == 0
+        block = SUMMARY_LOOP_ROWS if looped else block
         for i in range(0, len(all_items), 65535):  # a grid's third dimension holds at most 65,535
             items = all_items[i:i + 65535]
             seg = upload(np.asarray(items, dtype=np.int64).T.copy(), per_row.device)
             _summaries[(H, L, len(items))](
                 per_row, seg, out, len(items), *per_row.stride(), *out.stride(), *quantiles,
                 VISION=bool(vision), M=M, NBITS=16 if per_row.dtype == torch.float16 else 32, BLOCK=block,
-                num_warps=summary_warps(block))
-    return left
+                LOOPED=looped, num_warps=summary_warps(block))
+    return True
 
 
 def summary_buckets() -> list[int]:
-    """The part-length buckets :func:`summaries` launches a kernel variant for: 16, 32, .. SUMMARY_MAX_ROWS."""
-    return [1 << k for k in range(4, SUMMARY_MAX_ROWS.bit_length())]
+    """The part-length buckets :func:`summaries` launches a kernel variant for: 16, 32, .. SUMMARY_MAX_ROWS, and
+    0 for the looped program of longer parts."""
+    return [1 << k for k in range(4, SUMMARY_MAX_ROWS.bit_length())] + [0]
 
 
 def warm_up_summary(block: int, dtype: torch.dtype, device: torch.device, metrics: int = 7) -> None:
-    """Compile (by running it on two parts of ``block`` rows) :func:`summaries`' kernel for one bucket, row
-    dtype and number of metric rows (8: learned sinks), no vision."""
+    """Compile (by running it on two parts of ``block`` rows; 0: one part past ``SUMMARY_MAX_ROWS``, the looped
+    program) :func:`summaries`' kernel for one bucket, row dtype and number of metric rows (8: learned sinks),
+    no vision."""
     from .metrics import SUMMARY_METRICS
 
-    rows = torch.zeros((1, metrics, 1, 2 * block), dtype=dtype, device=device)
+    n = 2 * block if block else SUMMARY_MAX_ROWS + 1
+    cu, prompt = [0, n], [block if block else n]
+    per_row = torch.zeros((1, metrics, 1, n), dtype=dtype, device=device)
     # every summary metric, as device_summaries' output has: with 8 rows the kernel writes the eighth
     out = torch.empty((1, 2, len(SUMMARY_METRICS), 4, 1, 1), dtype=torch.float32, device=device)
-    summaries(rows, [0, 2 * block], [block], False, (0.1, 0.5, 0.9), out)
+    summaries(per_row, cu, prompt, False, (0.1, 0.5, 0.9), out)
 
 
 def warm_up_summaries(device: torch.device, widths: tuple[int, ...] = (7,)) -> int:

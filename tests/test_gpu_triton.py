@@ -242,7 +242,7 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
     head, bit by bit) equals device_summaries' torch code on the same rows: float16 rows read through the
     stream's strided gather view, parts from 1 to 2048 rows (several length buckets), NaN rows, a metric with
     no defined row, vision metrics on some rows, a metric with many ties, a negative one, and a part longer
-    than SUMMARY_MAX_ROWS left to torch."""
+    than SUMMARY_MAX_ROWS (the looped program)."""
     import numpy as np
 
     from attn_otel import triton_metrics
@@ -263,15 +263,19 @@ def test_summary_kernel_equals_the_torch_summaries(dtype):
     for vision in (False, True):
         want = device_summaries(rows, cu, Ns, vision=vision, fused=False).cpu().numpy()
         out = torch.full(want.shape, float("nan"), device="cuda")
-        assert triton_metrics.summaries(rows, cu, Ns, vision, (0.1, 0.5, 0.9), out) == []  # the kernel, not torch
+        assert triton_metrics.summaries(rows, cu, Ns, vision, (0.1, 0.5, 0.9), out)  # the kernel, not torch
         got = out.cpu().numpy()
         np.testing.assert_array_equal(got, device_summaries(rows, cu, Ns, vision=vision).cpu().numpy())
         assert np.array_equal(np.isnan(got), np.isnan(want))
         assert (~np.isnan(want)).sum() > 1000
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
-    long = [0, triton_metrics.SUMMARY_MAX_ROWS + 1]
-    assert triton_metrics.summaries(torch.zeros(1, 7, 1, long[1], device="cuda"), long, [long[1]], False,
-                                    (0.1, 0.5, 0.9), torch.zeros(1, 2, 7, 4, 1, 1, device="cuda")) == [0]
+    n = triton_metrics.SUMMARY_MAX_ROWS + 1  # the looped program's
+    long = torch.rand(1, 7, 1, n, device="cuda", generator=g)
+    long[:, :, :, ::5] = float("nan")
+    want = device_summaries(long, [0, n], [n], vision=False, fused=False)
+    out = torch.full(want.shape, float("nan"), device="cuda")
+    assert triton_metrics.summaries(long, [0, n], [n], False, (0.1, 0.5, 0.9), out)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 def test_all_layers_in_one_launch_equal_one_launch_per_layer():
