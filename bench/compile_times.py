@@ -20,7 +20,7 @@ for block in tm.summary_buckets():
         t = time.perf_counter()
         tm.warm_up_summary(block, dtype, dev)
         torch.cuda.synchronize()
-        print(f"summaries block {block} {dtype}: {time.perf_counter() - t:.2f} s", flush=True)
+        print(f"summaries block {block or 'looped'} {dtype}: {time.perf_counter() - t:.2f} s", flush=True)
 H, HKV, D = 32, 8, 128
 q = torch.zeros(64, H, D, dtype=torch.bfloat16, device=dev)
 k = torch.zeros(64, HKV, D, dtype=torch.bfloat16, device=dev)
