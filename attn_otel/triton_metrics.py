@@ -414,6 +414,11 @@ if triton is not None:
         return tl.where(ok, key, top), v, ok
 
     @triton.jit
+    def _part_keys(ptr, c0, n, sx_t, ar, NBITS: tl.constexpr):
+        # Rows c0 + ar of a part (``ptr``: its first row; ``n`` rows ``sx_t`` apart) as :func:`_keys` gives them.
+        return _keys(tl.load(ptr + (c0 + ar).to(tl.int64) * sx_t, mask=c0 + ar < n, other=float("nan")), NBITS)
+
+    @triton.jit
     def _kth_looped(ptr, n, sx_t, r, NBITS: tl.constexpr, BLOCK: tl.constexpr):
         # _kth over a part longer than a program holds (``ptr``: its first row; ``n`` rows ``sx_t`` apart): each
         # counting pass reads the part again, BLOCK rows at a time.
@@ -426,8 +431,7 @@ if triton is not None:
             cand = prefix + (tl.full([], 1, prefix.dtype) << bit)
             below = tl.zeros(r.shape, tl.int32)
             for c0 in range(0, n, BLOCK):
-                raw = tl.load(ptr + (c0 + ar).to(tl.int64) * sx_t, mask=c0 + ar < n, other=float("nan"))
-                key, _, _ = _keys(raw, NBITS)
+                key, _, _ = _part_keys(ptr, c0, n, sx_t, ar, NBITS)
                 below += tl.sum((key[None, :] < cand[:, None]).to(tl.int32), 1)
             prefix = tl.where(below <= r, cand, prefix)
         return prefix
@@ -456,7 +460,6 @@ if triton is not None:
         start = tl.load(SEG + 2 * nseg + sg)
         n = tl.load(SEG + 3 * nseg + sg)
         ar = tl.arange(0, BLOCK)
-        inb = ar < n
         obase = OUT + b * so_b + part * so_p + li * so_l + hi * so_h
         for m in tl.static_range(M):
             applies = True
@@ -468,13 +471,11 @@ if triton is not None:
                     cnt = tl.zeros([], tl.int32)
                     tot = tl.zeros([], tl.float32)
                     for c0 in range(0, n, BLOCK):
-                        raw = tl.load(ptr + (c0 + ar).to(tl.int64) * sx_t, mask=c0 + ar < n, other=float("nan"))
-                        _, v, ok = _keys(raw, NBITS)
+                        _, v, ok = _part_keys(ptr, c0, n, sx_t, ar, NBITS)
                         cnt += tl.sum(ok.to(tl.int32), 0)
                         tot += tl.sum(tl.where(ok, v, 0.0), 0)
                 else:
-                    raw = tl.load(ptr + ar.to(tl.int64) * sx_t, mask=inb, other=float("nan"))
-                    key, v, ok = _keys(raw, NBITS)
+                    key, v, ok = _part_keys(ptr, 0, n, sx_t, ar, NBITS)
                     cnt = tl.sum(ok.to(tl.int32), 0)
                     tot = tl.sum(tl.where(ok, v, 0.0), 0)
                 last = tl.maximum(cnt - 1, 0)
