@@ -236,7 +236,7 @@ class ComputeThread:
                                                                             non_blocking=cuda)
                     continue
                 q, k = qk
-                if fused:  # one launch per layer instead of a band loop (see docs/benchmarks/overhead.md)
+                if fused:  # one launch per layer instead of a band loop (docs/benchmarks/history.md, run 5)
                     res = triton_metrics.row_metrics(q[None], k[None], spec.scale, rec.prompt_len,
                                                      self.config.sink_tokens, vision,
                                                      terms=triton_metrics.terms([spec], self.device))

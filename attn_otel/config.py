@@ -54,7 +54,7 @@ model (58 GiB of KV budget) at 16,384-token steps, all 32 layers save 2.1 GiB (o
 0.25 GiB (off); at ``vllm serve``'s 8,192-token steps nothing is saved (off); a big model on a small budget
 saves a larger share (gpt-oss-120b's default layers on one H100: 0.25 of 9 GiB, on).  Where it is off a
 prefill chunk's rows are computed beside the forwards, on the side stream, which measured cheaper than in
-them (docs/benchmarks/overhead.md, run 27).  Off where vLLM runs mixed batches as full CUDA graphs."""
+them (docs/benchmarks/history.md, run 27).  Off where vLLM runs mixed batches as full CUDA graphs."""
 
 DIRECT_AUTO_SHARE = 0.01
 DIRECT_AUTO_BYTES = 1 << 30
@@ -177,7 +177,7 @@ ATTN_OTEL_FLUSH_KEYS = "ATTN_OTEL_FLUSH_KEYS"
 (default since 2026-11-28): the request's block ids only, one a block (a sixteenth of the positions), the kernel
 finding each position's slot itself.  ``slots``: every key position's KV-cache slot, built on the engine loop
 from the request's blocks and uploaded (about 93,000 for 100 live requests of 900 tokens).  Measured on H200s
-(docs/benchmarks/overhead.md): a flush's launches alone x0.33-x0.37 of the slots' host time and x0.52-x0.64 of
+(docs/benchmarks/history.md): a flush's launches alone x0.33-x0.37 of the slots' host time and x0.52-x0.64 of
 their device time (``bench/flush_layout.py``, run 38); online, the two A/B'd on one machine in both orders (run
 39, the same code, 2 servers each), the block-id servers' ITL p50 / p99 x0.93 / x0.87 and TTFT p50 / p99 x0.88 /
 x0.87 the slots' (run 37, which had put block ids behind, compared two commits across a change).  A flush of a
@@ -190,7 +190,7 @@ lowest).  ``vllm`` (default): vLLM's stream as vLLM makes it, at that same prior
 stream is made at a higher priority before vLLM first asks for it (as the worker sets up its device, before
 NCCL), so that where a forward's kernels and a flush's both wait for the GPU's SMs, the forward's go first.  The
 same kernels run in the same order either way: the model's outputs do not change.  On an H200 (2026-11-28,
-docs/benchmarks/overhead.md, run 38) ``high`` left the online latency where it was (ITL p50 x1.19 of capture
+docs/benchmarks/history.md, run 38) ``high`` left the online latency where it was (ITL p50 x1.19 of capture
 off against x1.18, TTFT p50 x1.21 against x1.19, the p99s within one server's noise), so contention for SMs
 between the forwards and capture work is not what the online cost is made of, and the default stays vLLM's.
 Where vLLM already has its stream when the worker sets up, ``high`` leaves it as it is and the log says so."""

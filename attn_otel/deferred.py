@@ -14,7 +14,7 @@ and says when they must be taken (:meth:`DeferredFinish.due`):
   ``max_requests`` of them, or the oldest has waited ``max_steps`` steps.
 
 Taking them all at once costs each step's fixed work (uploads, launches, the flush's bookkeeping) once per
-batch, not once per step that finishes a request (docs/benchmarks/overhead.md: the finish work was 5% of
+batch, not once per step that finishes a request (docs/benchmarks/history.md, run 19: the finish work was 5% of
 vLLM's engine-loop time under online load).  vLLM-free: the adapter feeds it block ids.
 """
 

@@ -2,7 +2,7 @@
 memory in the engine's process while it serves.
 
 A maps capture moves hundreds of MB to the host (Llama-3-8B, 4 map layers, 767 tokens: 150 MB).  Two
-simpler ways to do that each cost the engine throughput (docs/benchmarks/overhead.md, run 11):
+simpler ways to do that each cost the engine throughput (docs/benchmarks/history.md, run 11):
 
 * a pinned host buffer per capture: ``cudaHostAlloc`` of that size holds a driver lock for up to 129 ms,
   and the engine thread's CUDA calls wait on it (GPU idle);

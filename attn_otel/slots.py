@@ -23,7 +23,7 @@ class _PinnedRing:
     """One pinned host buffer that small uploads go through in turn, so an upload is a NumPy copy and one
     asynchronous copy on the current stream (a fresh ``pin_memory()`` per upload went through torch's host
     allocator: about 2.8% of the engine loop's time under online load, the largest single item in
-    docs/benchmarks/overhead.md's profile).  A region is written again only once the copy that read it
+    run 17's profile, docs/benchmarks/history.md).  A region is written again only once the copy that read it
     is done: each upload records an event, checked before the region's bytes are reused (in practice long
     done: the ring holds hundreds of steps' uploads).  Thread-safe (the compute thread uploads too)."""
 

@@ -2,7 +2,7 @@
 
 The Q/K tap (:class:`attn_otel.tap.QKTap`) keeps every KV-cache token's query for the request's whole
 life: on all 32 layers of an 8B model that is 2.5 times the KV cache's own bytes per token, and vLLM's KV
-cache shrinks to 0.29x (docs/benchmarks/overhead.md).  A streamed layer instead keeps:
+cache shrinks to 0.29x (docs/benchmarks/history.md, run 5).  A streamed layer instead keeps:
 
 * a **query ring** ``[R, Hq, D]``: the model's own queries, written in the forward (in-graph, like the tap)
   in token order from a row counter on the device (:func:`attn_otel.triton_metrics.ring_advance`), each

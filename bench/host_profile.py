@@ -8,8 +8,8 @@ prints, per thread, its samples, and the frames (function, file) with the larges
     python3 bench/host_profile.py DIR/pyspy-online-default.txt [--match attn_otel] [--top 25]
     python3 bench/host_profile.py DIR/pyspy-online-default.txt --own
 
-``--own`` prints only the engine loop's main thread: attn-otel's own share of it by part (the table in
-docs/benchmarks/overhead.md) and the share it waits for the GPU; ``--against OFF.txt`` (a capture-off server's
+``--own`` prints only the engine loop's main thread: attn-otel's own share of it by part (as runs 33-35 of
+docs/benchmarks/history.md tabled it) and the share it waits for the GPU; ``--against OFF.txt`` (a capture-off server's
 stacks, sampled the same way) puts the main thread's split beside capture off's: waiting for the GPU, waiting
 for requests, attn-otel's own code, vLLM's own code (run 33: where the time attn-otel adds comes from).  A
 sample is attn-otel's own where its deepest attn-otel frame runs attn-otel's code, not vLLM's call inside one

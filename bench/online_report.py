@@ -8,9 +8,9 @@ Two sources:
     python3 bench/online_report.py --dir DIR [--md FILE] [--png FILE]
         DIR as ``bench/online_ab.sh`` leaves it ($OUT/ab): online-off.json and
         online-default-NAME-RUN.json for each server (NAME: new, old, new-ATTN_OTEL_X_V, ...)
-    python3 bench/online_report.py --collection docs/benchmarks/online-ab-2026-11-26.json --key 26b
+    python3 bench/online_report.py --collection tests/data/bench/online-ab-2026-11-26.json --key 26b
         one call kept in the A/B collection (its servers in the order they ran)
-    python3 bench/online_report.py --collection docs/benchmarks/online-ab-2026-11-28.json --key 37b --reference old
+    python3 bench/online_report.py --collection tests/data/bench/online-ab-2026-11-28.json --key 37b --reference old
         every ratio against the servers of one configuration instead of capture off (a call with no capture-off
         server, or one that A/Bs two capturing configurations: pooled and paired by seed the same way)
 
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--dir", type=Path, help="bench/online_ab.sh's $OUT/ab")
-    src.add_argument("--collection", type=Path, help="an A/B collection (docs/benchmarks/online-ab-*.json)")
+    src.add_argument("--collection", type=Path, help="an A/B collection (online-ab-*.json; past ones in tests/data/bench)")
     ap.add_argument("--key", help="with --collection: the call (26b, ...); several (32a,32b,32c): their tables one "
                                   "after the other and, with --png, one plot of a column a call")
     ap.add_argument("--md", type=Path, help="write the tables here (else stdout)")

@@ -428,6 +428,17 @@ def _median(runs: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _machine(device: str | None, date: str | None) -> str:
+    """``H200 GPU-1ce076fd, 2026-12-01`` from a phase file's ``gpu`` (nvidia-smi -L) or ``device`` line."""
+    import re
+
+    if not device:
+        return "-"
+    model = next((m for m in ("H200", "H100", "A100", "L40S") if m in device), device.split(",")[0].strip())
+    uuid = re.search(r"GPU-[0-9a-f]{8}", device)
+    return ", ".join(x for x in (f"{model} {uuid.group(0)}" if uuid else model, date) if x)
+
+
 def report(out: Path, device: str | None = None, vllm_version: str | None = None) -> dict:
     """Merge DIR/phase-*.json and DIR/online-*.json into overhead.json, overhead-table.md and overhead.png."""
     import matplotlib
@@ -477,13 +488,15 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
         entry["ttft_p99_ratio"] = entry.get("ttft_p99_ratio", {}).get("default")
         entry["itl_p99_ratio"] = entry.get("itl_p99_ratio", {}).get("default")
         entry["device"] = onl["off"].get("device", device)
+        entry["date"] = onl["off"].get("date")
         entry["off"] = medians(o)
         wls["online"] = entry
     kv = {c: (phases[p]["kv_cache_tokens"] / off["kv_cache_tokens"]) if p in phases and off else None
           for c, p in configs.items()}
     doc = {
         "device": off.get("device", device), "vllm_version": off.get("vllm_version", vllm_version),
-        "date": datetime.date.today().isoformat(),
+        "date": off.get("date") or datetime.date.today().isoformat(),  # the measurement's, where the phase has it
+        "code": off.get("code"),
         "model": "Llama-3-8B-shaped, load_format=dummy, bf16",
         "command": "python3 bench/overhead.py --phase off --phase default --phase all --out DIR; "
                    "python3 bench/overhead.py --online off --online default --online all --out DIR; "
@@ -494,28 +507,37 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
     }
     (out / "overhead.json").write_text(json.dumps(doc, indent=1))
     names = list(wls)
-    lines = ["| workload | default | all layers |", "| --- | --- | --- |"]
+    offline = _machine(off.get("gpu") or off.get("device"), off.get("date"))
+    measured = {wl: offline for wl in names}
+    if "online" in wls:
+        measured["online"] = _machine(wls["online"]["device"], wls["online"].get("date"))
+    lines = ["| workload | default | all layers | measured on |", "| --- | --- | --- | --- |"]
     for wl in names:
         r = wls[wl]["ratios"]
-        lines.append(f"| {wl} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:.3f}" for c in configs) + " |")
-    lines.append("| KV-cache capacity | " + " | ".join("-" if kv[c] is None else f"{kv[c]:.3f}" for c in configs) + " |")
+        lines.append(f"| {wl} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:.3f}" for c in configs)
+                     + f" | {measured[wl]} |")
+    lines.append("| KV-cache capacity | " + " | ".join("-" if kv[c] is None else f"{kv[c]:.3f}" for c in configs)
+                 + f" | {offline} |")
     (out / "overhead-table.md").write_text("\n".join(lines) + "\n")
-    fig, ax = plt.subplots(figsize=(11, 4))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     width = 0.38
     for k, (c, color) in enumerate(zip(configs, ["#4c72b0", "#dd8452"])):
         vals = [wls[wl]["ratios"].get(c) for wl in names] + [kv[c]]
         xs = [i + (k - 0.5) * width for i in range(len(vals))]
         bars = ax.bar(xs, [v or 0 for v in vals], width, color=color, label=c.replace("_", " "))
         for b_, v in zip(bars, vals):
-            ax.text(b_.get_x() + b_.get_width() / 2, (v or 0) + 0.01, "-" if v is None else f"{v:.3f}",
+            ax.text(b_.get_x() + b_.get_width() / 2, 0.61 if v is None else v + 0.01, "-" if v is None else f"{v:.3f}",
                     ha="center", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(names) + 1), [*names, "KV-cache\ncapacity"])
+    ticks = [wl if measured[wl] == offline else f"{wl}\n({measured[wl]})" for wl in names]
+    ax.set_xticks(range(len(names) + 1), [*ticks, "KV-cache\ncapacity"], fontsize=8)
     ax.set_ylim(0.6, 1.1)
     ax.set_ylabel("ratio to capture off")
     ax.legend(loc="lower right")
-    ax.set_title(f"attn-otel overhead: throughput (online: at 80% load) and KV capacity, {doc['device']}, "
-                 f"vLLM {doc['vllm_version']}, Llama-3-8B shape", fontsize=9)
+    ax.axhline(0.99, color="#4c72b0", lw=0.8, ls="--")  # the default's throughput target
+    ax.set_title(f"attn-otel overhead: throughput (online: at 80% load) and KV capacity against capture off\n"
+                 f"{offline}, vLLM {doc['vllm_version']}, Llama-3-8B shape; dashed: the default's 0.99 target",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "overhead.png", dpi=120)
     return doc

@@ -104,7 +104,7 @@ def test_several_off_servers_pool_into_the_reference_and_each_meets_the_others(t
 def test_the_current_reports_online_figures_come_back_from_its_raw_call(tmp_path):
     """overhead.json's online row is run 29a's call: off, the default and all layers on one machine."""
     a = online_report.analyse(*online_report.from_collection(
-        ROOT / "docs" / "benchmarks" / "online-ab-2026-11-27.json", "29a"))
+        ROOT / "tests" / "data" / "bench" / "online-ab-2026-11-27.json", "29a"))
     online = json.loads((ROOT / "docs" / "benchmarks" / "overhead.json").read_text())["workloads"]["online"]
     got = a["configs"]["default"]["ratio"]
     assert got["itl_p99_s"] == pytest.approx(online["itl_p99_ratio"], rel=1e-9)
@@ -141,7 +141,7 @@ def test_bad_input_is_refused_by_name(tmp_path, case, message):
     d = tmp_path / "ab"
     args = ["--dir", str(d)]
     if case == "no-key":
-        args = ["--collection", str(ROOT / "docs" / "benchmarks" / "online-ab-2026-11-26.json"), "--key", "99"]
+        args = ["--collection", str(ROOT / "tests" / "data" / "bench" / "online-ab-2026-11-26.json"), "--key", "99"]
     else:
         _write_ab(d, rng)
         if case == "no-off":
@@ -159,7 +159,7 @@ def test_bad_input_is_refused_by_name(tmp_path, case, message):
 def test_several_calls_make_one_table_each_and_one_plot(tmp_path):
     """``--key 32a,32b,32c``: run 32's three machines, each call's tables under its key, one plot of a column a
     call; each call's pooled default is the one its own report gives."""
-    col = ROOT / "docs" / "benchmarks" / "online-ab-2026-11-27.json"
+    col = ROOT / "tests" / "data" / "bench" / "online-ab-2026-11-27.json"
     md, png = tmp_path / "t.md", tmp_path / "p.png"
     subprocess.run([sys.executable, str(BENCH), "--collection", str(col), "--key", "32a,32b,32c", "--md", str(md),
                     "--png", str(png)], check=True, capture_output=True, text=True, timeout=300)
@@ -178,7 +178,7 @@ def test_a_configuration_can_be_the_reference_instead_of_capture_off(tmp_path):
     """``--reference old``: run 37b (no capture-off server) and 37a (one) against the old code's server, every
     ratio paired by seed as against off (checked with NumPy on the raw runs); capture off is then a row like any
     other; a configuration the call does not have is refused by name."""
-    col = ROOT / "docs" / "benchmarks" / "online-ab-2026-11-28.json"
+    col = ROOT / "tests" / "data" / "bench" / "online-ab-2026-11-28.json"
     doc = json.loads(col.read_text())
     for key, new in (("37b", "new-2"), ("37a", "new-1")):
         a = online_report.analyse(*online_report.from_collection(col, key, "old"), "old")
