@@ -287,9 +287,11 @@ def _profile_llm(phase: str, **kwargs):
                gpu_memory_utilization=0.9, seed=0, **kwargs)
 
 
-def profile_phase(phase: str, out: Path, workload: str) -> None:
+def profile_phase(phase: str, out: Path, workload: str, stacks: bool = False) -> None:
     """One warm workload run of ``phase`` under torch.profiler, the engine in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0): where the GPU and the host spend their time (profile-PHASE.txt)."""
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): where the GPU and the host spend their time (profile-PHASE.txt).
+    ``stacks``: Python frames too, so that the GPU's idle time is put on the attn-otel function that launched
+    the op it waited for, and on what the host was in meanwhile (bench/trace_gaps.py)."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -299,7 +301,7 @@ def profile_phase(phase: str, out: Path, workload: str) -> None:
     llm = _profile_llm(phase)
     _run_workload(llm, workload, 0.0, seed=99)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=stacks) as prof:
         res = _run_workload(llm, workload, 0.0, seed=1)
     ka = prof.key_averages()
     with tempfile.TemporaryDirectory() as tmp:
@@ -565,7 +567,8 @@ def main(argv=None) -> int:
                     help="profile one warm run of this phase (first --workload) instead of measuring")
     ap.add_argument("--engine-profile", choices=["off", "default", "all"],
                     help="the same through vLLM's profiler, in the multiprocess engine core")
-    ap.add_argument("--stacks", action="store_true", help="with --engine-profile: record Python stacks (slow)")
+    ap.add_argument("--stacks", action="store_true",
+                    help="with --engine-profile or --profile: record Python stacks (slow)")
     ap.add_argument("--maps", action="store_true", help="with --engine-profile: profile the maps-for-1%% run")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="with --engine-profile: trace only this many engine steps (0: the whole run)")
@@ -589,7 +592,7 @@ def main(argv=None) -> int:
                        0.01 if args.maps else 0.0, args.profile_steps, args.profile_delay, args.profile_warm_runs)
         return 0
     if args.profile:
-        profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0])
+        profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0], args.stacks)
         return 0
     for phase in args.phase:
         run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS))

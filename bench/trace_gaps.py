@@ -75,6 +75,7 @@ def analyse(events: list[dict], top: int = 25) -> str:
                     best = (s, e, name)
             if best is not None:
                 blame[(tid, best[2][:90])] += g
+    launcher = _launchers(events, py, {b for g, _, b, _, _ in gaps if g >= 5})
     gaps.sort(reverse=True)
     out.append("")
     out.append("longest gaps:")
@@ -95,6 +96,17 @@ def analyse(events: list[dict], top: int = 25) -> str:
         out.append("")
         out.append(f"idle time (all gaps) by the device op that {side} the gap:")
         out += [f"  {t / 1e3:9.1f} ms in {count[k]:6d} gaps {word} {k!r}" for k, t in idle.most_common(12)]
+    if launcher:
+        # the op the GPU waited for, by the host code that launched it: with stacks, the innermost attn-otel frame
+        idle, count = collections.Counter(), collections.Counter()
+        for g, _, b, _, _ in gaps:
+            who = launcher.get(b) if g >= 5 else None
+            if who is not None:
+                idle[who] += g
+                count[who] += 1
+        out.append("")
+        out.append("idle time (gaps >= 5 us) by the host code that launched the op ending the gap:")
+        out += [f"  {t / 1e3:9.1f} ms in {count[k]:6d} gaps  {k}" for k, t in idle.most_common(top)]
     out.append("")
     out.append("host time in CUDA runtime/driver calls, per thread (the longest):")
     out += [f"  {t / 1e3:9.1f} ms in {n:7d} calls (max {m / 1e3:7.2f} ms)  tid {tid}  {name}"
@@ -111,6 +123,41 @@ def analyse(events: list[dict], top: int = 25) -> str:
     out += ["", "GPU time by kernel (copies and sets included), the longest:"]
     out += [f"  {d / 1000:10.1f} ms {100 * d / total:5.1f}% {launches[n]:8d} launches  {n}" for n, d in by_kernel.most_common(top + 15)]
     return "\n".join(out) + "\n"
+
+
+def _launchers(events: list[dict], host: dict, wanted: set) -> dict:
+    """The start of each GPU op that starts at a time in ``wanted`` -> the host code that launched it: the runtime
+    call with its correlation id, and on that call's thread the innermost enclosing ``attn_otel`` Python frame
+    (traces with stacks), else the innermost enclosing CPU op or frame.  {} where the trace has no correlation
+    ids."""
+    calls = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
+             and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    if not calls:
+        return {}
+    starts = {tid: [x[0] for x in v] for tid, v in host.items()}
+    out = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        if e["ts"] not in wanted:
+            continue
+        call = calls.get(e.get("args", {}).get("correlation"))
+        if call is None:
+            continue
+        evs, t = host.get(call["tid"], []), call["ts"]
+        i = bisect.bisect_right(starts.get(call["tid"], []), t)
+        inner = own = None
+        for j in range(max(0, i - 400), i):  # host events that hold the launch
+            s, end, name = evs[j]
+            if end < t or name == call["name"]:
+                continue
+            if inner is None or end - s < inner[1] - inner[0]:
+                inner = (s, end, name)
+            if "attn_otel" in name and (own is None or end - s < own[1] - own[0]):
+                own = (s, end, name)
+        pick = own or inner
+        out[e["ts"]] = pick[2][:90] if pick else call["name"]
+    return out
 
 
 OWN = ("_row_metrics", "_summaries", "_scatter_rows", "_ring_advance")  # attn-otel's Triton kernels

@@ -129,3 +129,27 @@ def test_compare_sets_two_summaries_side_by_side_by_step_kind(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(off))
     (tmp_path / "b.json").write_text(json.dumps(on))
     assert trace_gaps.main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+
+
+def test_idle_time_is_put_on_the_host_code_that_launched_the_op_the_gpu_waited_for():
+    """With correlation ids (every torch trace has them) the op that ends a gap is traced back to its launch: the
+    innermost attn-otel frame holding it (a trace with stacks), else the innermost CPU op; vLLM's own code
+    keeps its innermost frame."""
+    events = [
+        _k("gemm", 0, 100, 1), _k("gather", 1100, 10, 2), _k("attn", 1300, 10, 3), _k("fill", 1500, 10, 4),
+        _x("python_function", "vllm/v1/worker/gpu_model_runner.py(100): execute_model", 0, 2000, tid=7),
+        _x("python_function", "attn_otel/finish.py(208): _chunk", 900, 300, tid=7),
+        _x("cpu_op", "aten::index_select", 1000, 50, tid=7),  # inside attn-otel's frame: the frame is named
+        _launch(1010, 2),
+        _x("cpu_op", "aten::mm", 1200, 50, tid=7), _launch(1210, 3),  # vLLM's: its innermost op
+        _launch(1400, 4, tid=8),  # a thread with no frames: the runtime call itself
+        _launch(-10, 1),
+    ]
+    text = trace_gaps.analyse(events)
+    lines = text.splitlines()
+    i = lines.index("idle time (gaps >= 5 us) by the host code that launched the op ending the gap:")
+    rows = lines[i + 1:i + 4]
+    assert "1.0 ms in      1 gaps  attn_otel/finish.py(208): _chunk" in rows[0]
+    assert any("0.2 ms in      1 gaps  cudaGraphLaunch" in r for r in rows)  # tid 8
+    assert any("aten::mm" in r and "0.2 ms" in r for r in rows)
+    assert "aten::index_select" not in text.split("by the host code that launched")[1].split("\n\n")[0]
