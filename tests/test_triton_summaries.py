@@ -98,9 +98,7 @@ def test_every_length_bucket_compiles_for_an_h100_in_its_warps(block, nbits):
     """The interpreter does not check what only the compiler does: compile each new bucket (and the largest of
     the old, and the looped program: bucket 0) to an sm_90 cubin in the warps summaries() launches it with, with
     Triton's own ptxas, no GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90 import compile_sm90
 
     from attn_otel import triton_metrics as tm
 
@@ -112,8 +110,6 @@ def test_every_length_bucket_compiles_for_an_h100_in_its_warps(block, nbits):
     consts = dict(VISION=False, M=7, NBITS=nbits, BLOCK=rows, LOOPED=block == 0)
     ptrs = {"X": "*fp16" if nbits == 16 else "*fp32", "SEG": "*i64", "OUT": "*fp32",
             **{q: "fp32" for q in ("q1", "q2", "q3")}}
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    compiled = compile_sm90(fn, consts, ptrs, num_warps=warps)
     assert compiled.asm["cubin"] and compiled.metadata.num_warps == warps
     assert f".reqntid {32 * warps}" in compiled.asm["ptx"]  # the threads it launches with
