@@ -285,7 +285,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--dir", type=Path, help="bench/online_ab.sh's $OUT/ab")
-    src.add_argument("--collection", type=Path, help="an A/B collection (online-ab-*.json; past ones in tests/data/bench)")
+    src.add_argument("--collection", type=Path,
+                     help="an A/B collection (online-ab-*.json; past ones in tests/data/bench)")
     ap.add_argument("--key", help="with --collection: the call (26b, ...); several (32a,32b,32c): their tables one "
                                   "after the other and, with --png, one plot of a column a call")
     ap.add_argument("--md", type=Path, help="write the tables here (else stdout)")

@@ -67,15 +67,10 @@ def analyse(events: list[dict], top: int = 25) -> str:
             continue
         mid = (a + b) / 2
         for tid, evs in py.items():
-            i = bisect.bisect_right(starts[tid], mid)
-            best = None
-            for j in range(max(0, i - 400), i):  # events that started before mid and end after it
-                s, e, name = evs[j]
-                if e >= mid and (best is None or e - s < best[1] - best[0]):
-                    best = (s, e, name)
+            best = min(_holding(evs, starts[tid], mid), key=_dur, default=None)
             if best is not None:
                 blame[(tid, best[2][:90])] += g
-    launcher = _launchers(events, py, {b for g, _, b, _, _ in gaps if g >= 5})
+    launcher = _launchers(events, py, starts, {b for g, _, b, _, _ in gaps if g >= 5})
     gaps.sort(reverse=True)
     out.append("")
     out.append("longest gaps:")
@@ -100,7 +95,7 @@ def analyse(events: list[dict], top: int = 25) -> str:
         # the op the GPU waited for, by the host code that launched it: with stacks, the innermost attn-otel frame
         idle, count = collections.Counter(), collections.Counter()
         for g, _, b, _, _ in gaps:
-            who = launcher.get(b) if g >= 5 else None
+            who = launcher.get(b)  # (gaps of 5 us or more only: the others' ops were not looked up)
             if who is not None:
                 idle[who] += g
                 count[who] += 1
@@ -125,37 +120,48 @@ def analyse(events: list[dict], top: int = 25) -> str:
     return "\n".join(out) + "\n"
 
 
-def _launchers(events: list[dict], host: dict, wanted: set) -> dict:
+def _dur(ev: tuple) -> float:
+    return ev[1] - ev[0]
+
+
+def _holding(evs: list[tuple], starts: list[float], t: float) -> list[tuple]:
+    """One thread's host events (``(start, end, name)`` sorted, ``starts`` their starts) that hold time ``t``:
+    started at or before it and not ended, among the 400 that started last."""
+    i = bisect.bisect_right(starts, t)
+    return [ev for ev in evs[max(0, i - 400):i] if ev[1] >= t]
+
+
+def _runtime_calls(events: list[dict]) -> dict:
+    """Correlation id -> the CUDA runtime or driver call that has it (a kernel, copy or set shares its launch's)."""
+    calls = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            c = (e.get("args") or {}).get("correlation")
+            if c is not None:
+                calls[c] = e
+    return calls
+
+
+def _launchers(events: list[dict], host: dict, starts: dict, wanted: set) -> dict:
     """The start of each GPU op that starts at a time in ``wanted`` -> the host code that launched it: the runtime
-    call with its correlation id, and on that call's thread the innermost enclosing ``attn_otel`` Python frame
-    (traces with stacks), else the innermost enclosing CPU op or frame.  {} where the trace has no correlation
-    ids."""
-    calls = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
-             and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    call with its correlation id, and on that call's thread (``host``: its events, ``starts``: their starts) the
+    innermost enclosing ``attn_otel`` Python frame (traces with stacks), else the innermost enclosing CPU op or
+    frame.  {} where the trace has no correlation ids."""
+    calls = _runtime_calls(events)
     if not calls:
         return {}
-    starts = {tid: [x[0] for x in v] for tid, v in host.items()}
     out = {}
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         if e["ts"] not in wanted:
             continue
-        call = calls.get(e.get("args", {}).get("correlation"))
+        call = calls.get((e.get("args") or {}).get("correlation"))
         if call is None:
             continue
-        evs, t = host.get(call["tid"], []), call["ts"]
-        i = bisect.bisect_right(starts.get(call["tid"], []), t)
-        inner = own = None
-        for j in range(max(0, i - 400), i):  # host events that hold the launch
-            s, end, name = evs[j]
-            if end < t or name == call["name"]:
-                continue
-            if inner is None or end - s < inner[1] - inner[0]:
-                inner = (s, end, name)
-            if "attn_otel" in name and (own is None or end - s < own[1] - own[0]):
-                own = (s, end, name)
-        pick = own or inner
+        held = [ev for ev in _holding(host.get(call["tid"], []), starts.get(call["tid"], []), call["ts"])
+                if ev[2] != call["name"]]
+        pick = min([ev for ev in held if "attn_otel" in ev[2]] or held, key=_dur, default=None)
         out[e["ts"]] = pick[2][:90] if pick else call["name"]
     return out
 
@@ -185,12 +191,7 @@ def summary(events: list[dict]) -> dict:
                    if e.get("ph") == "X" and e.get("cat") == "user_annotation"
                    and (m := _STEP.search(e.get("name", ""))))
     starts = [s[0] for s in steps]
-    launch = {}  # correlation id -> the host time and thread of its runtime call
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
-            c = (e.get("args") or {}).get("correlation")
-            if c is not None:
-                launch[c] = (e["ts"], e.get("tid"))
+    launch = {c: (e["ts"], e.get("tid")) for c, e in _runtime_calls(events).items()}  # correlation -> host time, thread
     kinds: dict = {}
     per_step = [{"own": 0.0, "vllm": 0.0, "first": None, "last": None} for _ in steps]
     outside: collections.Counter = collections.Counter()
