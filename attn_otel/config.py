@@ -57,6 +57,13 @@ prefill chunk's rows are computed beside the forwards, on the side stream, which
 them (docs/benchmarks/history.md, run 27).  Off where vLLM runs mixed batches as full CUDA graphs."""
 
 DIRECT_AUTO_SHARE = 0.01
+
+ATTN_OTEL_DIRECT_STREAM = "ATTN_OTEL_DIRECT_STREAM"
+"""Where direct rows' kernels run (``ATTN_OTEL_STREAM_DIRECT``).  ``side`` (default): on attn-otel's side stream,
+launched after each streamed layer's attention and waiting only for it, so that the rest of the forward (the
+later layers, the next forward) runs beside them; a forward waits for them only where it would write a block
+they read (a preempted or finished request's, as for any capture work).  ``engine``: on vLLM's stream, in the
+forward's own order (run 27's design: each layer's rows delay the layers after it)."""
 DIRECT_AUTO_BYTES = 1 << 30
 
 ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
@@ -342,6 +349,7 @@ class Config:
     map_layers: str | tuple[int, ...] = "auto"
     stream_rows: int = 0
     stream_direct: str = "auto"
+    direct_stream: str = "side"
     maps_sample: float = 0.01
     max_map_tokens: int = 8192
     map_tap_tokens: int = 0
@@ -387,6 +395,7 @@ class Config:
                     _warn(name, raw, str(e), getattr(d, field))
         values["stream_rows"] = _number(env, ATTN_OTEL_STREAM_ROWS, d.stream_rows, int, 0, 1 << 24)
         values["stream_direct"] = _choice(env, ATTN_OTEL_STREAM_DIRECT, ("auto", "0", "1"), d.stream_direct)
+        values["direct_stream"] = _choice(env, ATTN_OTEL_DIRECT_STREAM, ("side", "engine"), d.direct_stream)
         values["maps_sample"] = _number(env, ATTN_OTEL_MAPS_SAMPLE, d.maps_sample, float, 0.0, 1.0)
         values["max_map_tokens"] = _number(env, ATTN_OTEL_MAX_MAP_TOKENS, d.max_map_tokens, int, 1, None)
         values["map_tap_tokens"] = _number(env, ATTN_OTEL_MAP_TAP_TOKENS, d.map_tap_tokens, int, 0, None)

@@ -11,7 +11,14 @@ speculative tokens) with nothing pending before it is **direct**:
 * the forward's first streamed layer marks the plan's tokens in the stream's slot -> row table, where each gets
   its index in the forward, and gives ring rows, in order from the row counter, to the other tokens only;
 * after each streamed layer's attention (its keys are in the cache then) the flush kernel computes the direct
-  rows from the forward's own queries into the per-slot buffer, on the engine's stream (:meth:`DirectRows.run`).
+  rows from the forward's own queries into the per-slot buffer (:meth:`DirectRows.run`): on the side stream
+  (``ATTN_OTEL_DIRECT_STREAM=side``, the default), which waits for that layer's attention and nothing after it,
+  so the forward's later layers and the next forward run beside the kernel; or on the engine's stream, in the
+  forward's order (``engine``).  Beside the forward the kernel's inputs (the forward's queries, the plan's
+  uploads) are marked as used on the side stream, so torch's allocator gives their memory to nothing else
+  before it is done; the blocks it reads are the running requests' own, and where one goes back to vLLM
+  (finished, preempted) the capture work that follows on the side stream is what a forward that writes it waits
+  for (:class:`attn_otel.stream.Side`).
 
 The ring then holds decode tokens only, and is sized by ``max_num_seqs`` (``vllm_adapter._ring_rows``).  This
 needs the attention of a forward with a prefill chunk to run eagerly, where the taps see the plan: vLLM's
@@ -42,6 +49,7 @@ class _Plan:
     slots: torch.Tensor  # the direct rows' key slots, on the device
     args: tuple  # the flush kernel's arguments for them (FlushKernels.run_direct)
     used: bool = False  # the forward's first streamed layer took it (else it ran as a CUDA graph: see settle)
+    beside: bool = False  # its uploads are marked as read on the side stream (DirectRows.run)
     queries: dict = dataclasses.field(default_factory=dict)  # layer -> the forward's queries, until run()
 
 
@@ -54,6 +62,7 @@ class DirectRows:
     def __init__(self, stream) -> None:
         self.stream = stream
         self.min: int | None = None
+        self.beside = False  # the kernels on the side stream (ATTN_OTEL_DIRECT_STREAM=side; the adapter sets it)
         self.plan: _Plan | None = None
         self.ring_index: torch.Tensor | None = None  # this forward's ring row per token (-1: padding row)
         self.computed = self.steps = self.replayed = 0  # rows computed in forwards; their steps; plans replayed
@@ -147,7 +156,7 @@ class DirectRows:
     def run(self, layer: int) -> None:
         """After ``layer``'s attention has written this forward's keys to the cache (or the stream's write to
         its K-only tap): that layer's direct rows, from the forward's own queries, into the per-slot buffer, on
-        the engine's stream."""
+        the side stream behind the work enqueued so far on the engine's (``beside``), else on the engine's."""
         plan = self.plan
         if plan is None or not plan.used:
             return
@@ -161,9 +170,23 @@ class DirectRows:
             q = q.unflatten(1, (spec.num_heads, spec.head_dim))
         if q.stride(-1) != 1 or q.dtype != st.q.dtype:
             q = q.to(st.q.dtype).contiguous()
-        started = self.timer.start(q.device)
-        st.kernels.run_direct(li, q, plan.args, st.ring_of_slot, plan.slots)
-        self.timer.stop(started)
+        side = st.side
+        if not (self.beside and st.kernels.fused and side.stream is not None):
+            started = self.timer.start(q.device)
+            st.kernels.run_direct(li, q, plan.args, st.ring_of_slot, plan.slots)
+            self.timer.stop(started)
+            return
+        side.begin()  # after this layer's attention: its queries and keys are written
+        with side.context():
+            started = self.timer.start(q.device)
+            st.kernels.run_direct(li, q, plan.args, st.ring_of_slot, plan.slots)
+            self.timer.stop(started)
+        q.record_stream(side.stream)  # the forward frees its queries long before the kernel has read them
+        if not plan.beside:  # the plan's uploads (one buffer) go when the step settles: not before the kernels
+            plan.beside = True
+            for t in (plan.slots, *plan.args):
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(side.stream)
 
     @property
     def device_s(self) -> float:

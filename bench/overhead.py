@@ -90,7 +90,12 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              "default-rows16k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "16384"},
              # offline the engine's step is up to 16,384 tokens and the ring as many rows: twice that (session 59:
              # 103 of the mixed workload's 175 forwards that waited on the side stream waited for the ring)
-             "default-rows32k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "32768"}}
+             "default-rows32k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "32768"},
+             # direct rows for the default's 4 layers too (auto leaves them off: they save < 1% of the KV budget),
+             # their kernels beside the forward on the side stream (ATTN_OTEL_DIRECT_STREAM=side, the default)
+             "default-direct": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_DIRECT": "1"},
+             # all layers with the direct rows' kernels in the forward's order on vLLM's stream (before session 64)
+             "all-engine": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all", "ATTN_OTEL_DIRECT_STREAM": "engine"}}
 EXTRA_ENV: dict[str, str] = {}  # --env: one switch on top of every phase that captures (an A/B on one machine)
 
 
@@ -245,6 +250,8 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
               "kv_cache_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
               "kv_write": kv_write}
+    if PHASE_ENV[phase]:  # a stats file written after vLLM's start-up collections (gc.freeze), not before them
+        time.sleep(STATS_WAIT_S)
     before = _latest_stats(stats_dir)
     for wl in wls:
         warm = _run_workload(llm, wl, 0.0, seed=99)  # warm-up (prefix cache stays cold: other seeds below)

@@ -40,7 +40,7 @@ class Toy:
 
     def __init__(self, rows: int, num_blocks: int = 64, keys_in_cache: bool = True, seed: int = 0,
                  device: str = "cpu", slow: bool = False, spill: int = 0, defer_flush: bool = False,
-                 direct: bool = False, flush_keys: str = "slots"):
+                 direct: bool = False, flush_keys: str = "slots", beside: bool = False):
         self.g = torch.Generator().manual_seed(seed)
         self.num_blocks = num_blocks
         self.device = device
@@ -59,6 +59,7 @@ class Toy:
         self.slow = slow  # GPU: every step's capture work starts behind a sleep, far behind the forwards
         self.stream.defer_flush = defer_flush  # the flush at half the ring after the forward, as the adapter does
         self.stream.direct.min = 1 if direct else None  # prefill chunks' rows in the forward (vllm_adapter)
+        self.stream.direct.beside = beside  # their kernels on the side stream (ATTN_OTEL_DIRECT_STREAM=side)
         self.stream.flush_keys = flush_keys  # slots or block ids to the flush kernel (ATTN_OTEL_FLUSH_KEYS)
         self.flushed_before = self.flushed_after = 0  # half-ring flushes in schedule / after the forward
 
@@ -223,6 +224,30 @@ def test_direct_rows_equal_the_reference_and_take_no_ring_rows(rows, keys_in_cac
         assert st.direct.device_s > 0
     else:
         assert st.direct.device_s == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flush_keys", ["slots", "blocks"])
+def test_direct_rows_on_the_side_stream_far_behind_the_forwards(flush_keys):
+    """ATTN_OTEL_DIRECT_STREAM=side: each layer's direct rows run on the side stream, which every step starts
+    behind a sleep of about 10 ms, so the forwards (whose queries torch frees and hands out again at once) are
+    steps ahead of the kernels reading them; with preemption and finished requests' blocks going back to the toy
+    scheduler, every row must still equal the reference."""
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu marker needs a CUDA device")
+    toy = Toy(16, device="cuda", direct=True, flush_keys=flush_keys, beside=True, slow=True)
+    _three_requests(toy)
+    st = toy.stream
+    assert st.pending() == 0 and st.counter.drifts == 0
+    assert st.direct.computed == 13 + 7 + 21 and st.direct.steps == 6 and st.direct.replayed == 0
+    torch.cuda.synchronize()
+    assert st.direct.device_s > 0
+    # a preempted request whose blocks another request writes in the very forward that frees them: that forward
+    # waits for the side stream's work reading them, the direct kernels of the steps before among it
+    toy = Toy(rows=1000, num_blocks=16, device="cuda", direct=True, flush_keys=flush_keys, beside=True, slow=True)
+    _run_preemption(toy)
+    assert toy.stream.direct.computed == 10 + 12 + 11
+    assert toy.stream.side.wait_causes["blocks"] >= 1
 
 
 def test_direct_rows_beside_decode_steps_and_tokens_not_followed(device):
