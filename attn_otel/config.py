@@ -53,8 +53,11 @@ budget vLLM computed (:data:`DIRECT_AUTO_BYTES` where it is not known), else ``0
 model (58 GiB of KV budget) at 16,384-token steps, all 32 layers save 2.1 GiB (on), the default 4 layers
 0.25 GiB (off); at ``vllm serve``'s 8,192-token steps nothing is saved (off); a big model on a small budget
 saves a larger share (gpt-oss-120b's default layers on one H100: 0.25 of 9 GiB, on).  Where it is off a
-prefill chunk's rows are computed beside the forwards, on the side stream, which measured cheaper than in
-them (docs/benchmarks/history.md, run 27).  Off where vLLM runs mixed batches as full CUDA graphs."""
+prefill chunk's rows go through the ring and are computed by its flushes on the side stream, which measured
+cheaper than direct rows in the forward's order (docs/benchmarks/history.md, run 27); with the direct rows' kernels
+beside the forward (``ATTN_OTEL_DIRECT_STREAM=side``) the default's 4 layers measured cheaper with them on (run 46,
+8k+128 only: x0.987 against x0.975), so ``auto``'s rule is due to be measured again.  Off where vLLM runs mixed
+batches as full CUDA graphs."""
 
 DIRECT_AUTO_SHARE = 0.01
 
