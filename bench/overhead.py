@@ -219,7 +219,9 @@ def capture_delta(before: dict, after: dict, serving_s: float) -> dict:
             "stored": int(num(after, "stored") - num(before, "stored")), "dropped": dropped}
 
 
-def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
+def run_phase(phase: str, out: Path, repeats: int, wls: list[str], warm_runs: int = 1) -> dict:
+    """One engine of ``phase`` over the workloads ``wls``: ``warm_runs`` warm-up runs of each (other seeds), then
+    ``repeats`` measured runs, seeds 0, 1, ...; DIR/phase-PHASE.json after each workload."""
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-{phase}-"))
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
     env = {"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), **_phase_env(phase)}
@@ -249,12 +251,13 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str]) -> dict:
               "vllm_version": vllm.__version__, "env": dict(EXTRA_ENV), "engine_start_s": start_s,
               "kv_cache_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
-              "kv_write": kv_write}
+              "kv_write": kv_write, "warm_runs": max(1, warm_runs)}
     if PHASE_ENV[phase]:  # a stats file written after vLLM's start-up collections (gc.freeze), not before them
         time.sleep(STATS_WAIT_S)
     before = _latest_stats(stats_dir)
     for wl in wls:
-        warm = _run_workload(llm, wl, 0.0, seed=99)  # warm-up (prefix cache stays cold: other seeds below)
+        warms = [_run_workload(llm, wl, 0.0, seed=99 - i) for i in range(max(1, warm_runs))]  # warm-up (prefix
+        warm = {"wall_s": sum(w["wall_s"] for w in warms)}  # cache stays cold: other seeds below)
         with online.HostProfile(os.getpid(), out / f"pyspy-{phase}-{wl}.txt"):  # with BENCH_PYSPY set
             runs = [_run_workload(llm, wl, 0.0, seed=s) for s in range(repeats)]
         best = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
@@ -581,6 +584,9 @@ def main(argv=None) -> int:
                     help="with --engine-profile: trace only this many engine steps (0: the whole run)")
     ap.add_argument("--profile-delay", type=int, default=0,
                     help="with --engine-profile: start the trace this many engine steps into the run")
+    ap.add_argument("--warm-runs", type=int, default=1,
+                    help="warm-up runs of each workload before the measured ones (2: whether the first measured run "
+                         "pays a one-time cost, such as the writer processes starting on the first captures)")
     ap.add_argument("--profile-warm-runs", type=int, choices=[1, 2], default=2,
                     help="with --engine-profile: workload runs before the one profiled")
     args = ap.parse_args(argv)
@@ -602,7 +608,7 @@ def main(argv=None) -> int:
         profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0], args.stacks)
         return 0
     for phase in args.phase:
-        run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS))
+        run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS), args.warm_runs)
     for phase in args.online:
         run_online(phase, args.out, args.repeats)
     if args.report:
