@@ -60,14 +60,16 @@ beside the forward (``ATTN_OTEL_DIRECT_STREAM=side``) the default's 4 layers mea
 batches as full CUDA graphs."""
 
 DIRECT_AUTO_SHARE = 0.01
+DIRECT_AUTO_BYTES = 1 << 30
 
 ATTN_OTEL_DIRECT_STREAM = "ATTN_OTEL_DIRECT_STREAM"
 """Where direct rows' kernels run (``ATTN_OTEL_STREAM_DIRECT``).  ``side`` (default): on attn-otel's side stream,
 launched after each streamed layer's attention and waiting only for it, so that the rest of the forward (the
 later layers, the next forward) runs beside them; a forward waits for them only where it would write a block
-they read (a preempted or finished request's, as for any capture work).  ``engine``: on vLLM's stream, in the
-forward's own order (run 27's design: each layer's rows delay the layers after it)."""
-DIRECT_AUTO_BYTES = 1 << 30
+they read (a preempted or finished request's, as for any capture work).  A forward replayed as PIECEWISE CUDA
+graphs (a batch no larger than the graphs vLLM captured) keeps them on vLLM's stream even so: its queries are in
+the graphs' own memory pool, which the next piece's replay writes over.  ``engine``: always on vLLM's stream, in
+the forward's own order (run 27's design: each layer's rows delay the layers after it)."""
 
 ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
 """Fraction in [0, 1] of traces whose full maps are stored (decided per trace id, so every request of a

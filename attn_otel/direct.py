@@ -14,9 +14,10 @@ speculative tokens) with nothing pending before it is **direct**:
   rows from the forward's own queries into the per-slot buffer (:meth:`DirectRows.run`): on the side stream
   (``ATTN_OTEL_DIRECT_STREAM=side``, the default), which waits for that layer's attention and nothing after it,
   so the forward's later layers and the next forward run beside the kernel; or on the engine's stream, in the
-  forward's order (``engine``).  Beside the forward the kernel's inputs (the forward's queries, the plan's
-  uploads) are marked as used on the side stream, so torch's allocator gives their memory to nothing else
-  before it is done; the blocks it reads are the running requests' own, and where one goes back to vLLM
+  forward's order (``engine``, and always in a forward replayed as PIECEWISE CUDA graphs: its queries are in the
+  graphs' own memory pool, which the next piece writes over).  Beside the forward the kernel's inputs (the
+  forward's queries, the plan's uploads) are marked as used on the side stream, so torch's allocator gives their
+  memory to nothing else before it is done; the blocks it reads are the running requests' own, and where one goes back to vLLM
   (finished, preempted) the capture work that follows on the side stream is what a forward that writes it waits
   for (:class:`attn_otel.stream.Side`).
 
@@ -153,10 +154,12 @@ class DirectRows:
         self.ring_index = rows
         plan.used = True
 
-    def run(self, layer: int) -> None:
+    def run(self, layer: int, beside: bool = True) -> None:
         """After ``layer``'s attention has written this forward's keys to the cache (or the stream's write to
         its K-only tap): that layer's direct rows, from the forward's own queries, into the per-slot buffer, on
-        the side stream behind the work enqueued so far on the engine's (``beside``), else on the engine's."""
+        the side stream behind the work enqueued so far on the engine's (:attr:`beside` and ``beside``: the
+        adapter says False for a forward replayed as PIECEWISE CUDA graphs, whose queries live in the graphs'
+        memory pool, which torch's allocator does not guard), else on the engine's."""
         plan = self.plan
         if plan is None or not plan.used:
             return
@@ -171,7 +174,7 @@ class DirectRows:
         if q.stride(-1) != 1 or q.dtype != st.q.dtype:
             q = q.to(st.q.dtype).contiguous()
         side = st.side
-        if not (self.beside and st.kernels.fused and side.stream is not None):
+        if not (self.beside and beside and st.kernels.fused and side.stream is not None):
             started = self.timer.start(q.device)
             st.kernels.run_direct(li, q, plan.args, st.ring_of_slot, plan.slots)
             self.timer.stop(started)

@@ -1195,10 +1195,23 @@ def _direct_rows(engine, stream, index: int, name: str) -> None:
     """A streamed layer's direct rows of this forward (attn_otel.direct.DirectRows.run), after its
     attention: its keys are in the cache then.  Never raises."""
     try:
-        stream.direct.run(index)
+        stream.direct.run(index, beside=_uncaptured_forward())
     except Exception:  # noqa: BLE001
         engine.warn_once("direct", "direct rows of %s failed; its captures will be wrong or dropped", name,
                          exc=True)
+
+
+def _uncaptured_forward() -> bool:
+    """Whether this forward runs with no CUDA graph (vLLM's cudagraph runtime mode NONE: a batch larger than the
+    graphs captured, or eager).  In a PIECEWISE replay the queries an attention call gets are a graph's output, in
+    the graphs' own memory pool, which the next piece's replay writes over without torch's allocator knowing: a
+    kernel that reads them later, on another stream, would read what that piece wrote.  False where unknown."""
+    try:
+        from vllm.forward_context import get_forward_context
+
+        return getattr(get_forward_context().cudagraph_runtime_mode, "name", None) == "NONE"
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _tap_mla_layer(engine, spec, layer) -> bool:

@@ -250,6 +250,22 @@ def test_direct_rows_on_the_side_stream_far_behind_the_forwards(flush_keys):
     assert toy.stream.side.wait_causes["blocks"] >= 1
 
 
+def test_direct_rows_go_beside_the_forward_only_in_a_forward_with_no_cuda_graph():
+    """The adapter's check (vLLM's forward context): a forward replayed as PIECEWISE graphs hands attention queries
+    in the graphs' memory pool, so its direct rows stay on vLLM's stream; one with no graph may run them beside;
+    outside any forward (unknown) they stay too."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from attn_otel.vllm_adapter import _uncaptured_forward
+
+    assert _uncaptured_forward() is False
+    for mode, beside in ((CUDAGraphMode.NONE, True), (CUDAGraphMode.PIECEWISE, False), (CUDAGraphMode.FULL, False)):
+        ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}, cudagraph_runtime_mode=mode)
+        with override_forward_context(ctx):
+            assert _uncaptured_forward() is beside, mode
+
+
 def test_direct_rows_beside_decode_steps_and_tokens_not_followed(device):
     """A step with a prefill chunk (direct), another request's decode token and a request attn-otel does not
     follow: the decode and unfollowed tokens take ring rows in the forward's order, the chunk none, and the
