@@ -12,9 +12,9 @@ speculative tokens) with nothing pending before it is **direct**:
   its index in the forward, and gives ring rows, in order from the row counter, to the other tokens only;
 * after each streamed layer's attention (its keys are in the cache then) the flush kernel computes the direct
   rows from the forward's own queries into the per-slot buffer (:meth:`DirectRows.run`): on the side stream
-  (``ATTN_OTEL_DIRECT_STREAM=side``, the default), which waits for that layer's attention and nothing after it,
+  (``ATTN_OTEL_DIRECT_STREAM=side``), which waits for that layer's attention and nothing after it,
   so the forward's later layers and the next forward run beside the kernel; or on the engine's stream, in the
-  forward's order (``engine``, and always in a forward replayed as PIECEWISE CUDA graphs: its queries are in the
+  forward's order (``engine``, the default, and always in a forward replayed as PIECEWISE CUDA graphs: its queries are in the
   graphs' own memory pool, which the next piece writes over).  Beside the forward the kernel's inputs (the
   forward's queries, the plan's uploads) are marked as used on the side stream, so torch's allocator gives their
   memory to nothing else before it is done; the blocks it reads are the running requests' own, and where one goes back to vLLM

@@ -92,10 +92,11 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              # 103 of the mixed workload's 175 forwards that waited on the side stream waited for the ring)
              "default-rows32k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "32768"},
              # direct rows for the default's 4 layers too (auto leaves them off: they save < 1% of the KV budget),
-             # their kernels beside the forward on the side stream (ATTN_OTEL_DIRECT_STREAM=side, the default)
-             "default-direct": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_DIRECT": "1"},
-             # all layers with the direct rows' kernels in the forward's order on vLLM's stream (before session 64)
-             "all-engine": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all", "ATTN_OTEL_DIRECT_STREAM": "engine"}}
+             # their kernels beside the forward on the side stream (ATTN_OTEL_DIRECT_STREAM=side)
+             "default-direct": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_DIRECT": "1", "ATTN_OTEL_DIRECT_STREAM": "side"},
+             # all layers with the direct rows' kernels beside the forward, on the side stream (`all` keeps them in
+             # the forward's order on vLLM's stream, ATTN_OTEL_DIRECT_STREAM's default)
+             "all-side": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all", "ATTN_OTEL_DIRECT_STREAM": "side"}}
 EXTRA_ENV: dict[str, str] = {}  # --env: one switch on top of every phase that captures (an A/B on one machine)
 
 
