@@ -54,10 +54,10 @@ model (58 GiB of KV budget) at 16,384-token steps, all 32 layers save 2.1 GiB (o
 0.25 GiB (off); at ``vllm serve``'s 8,192-token steps nothing is saved (off); a big model on a small budget
 saves a larger share (gpt-oss-120b's default layers on one H100: 0.25 of 9 GiB, on).  Where it is off a
 prefill chunk's rows go through the ring and are computed by its flushes on the side stream, which measured
-cheaper than direct rows in the forward's order (docs/benchmarks/history.md, run 27); with the direct rows' kernels
-beside the forward (``ATTN_OTEL_DIRECT_STREAM=side``, not yet the default) the default's 4 layers measured cheaper with them on (run 46,
-8k+128 only: x0.987 against x0.975), so ``auto``'s rule is due to be measured again.  Off where vLLM runs mixed
-batches as full CUDA graphs."""
+cheaper than direct rows in the forward's order (docs/benchmarks/history.md, run 27); with the direct rows'
+kernels beside the forward (``ATTN_OTEL_DIRECT_STREAM=side``, not yet the default) the default's 4 layers
+measured cheaper with them on (run 46, 8k+128 only: x0.987 against x0.975), so ``auto``'s rule is due to be
+measured again.  Off where vLLM runs mixed batches as full CUDA graphs."""
 
 DIRECT_AUTO_SHARE = 0.01
 DIRECT_AUTO_BYTES = 1 << 30
@@ -68,11 +68,11 @@ launched after each streamed layer's attention and waiting only for it, so that 
 later layers, the next forward) runs beside them; a forward waits for them only where it would write a block
 they read (a preempted or finished request's, as for any capture work).  A forward replayed as PIECEWISE CUDA
 graphs (a batch no larger than the graphs vLLM captured) keeps them on vLLM's stream even so: its queries are in
-the graphs' own memory pool, which the next piece's replay writes over.  ``engine`` (default): always on vLLM's stream, in
-the forward's own order (run 27's design: each layer's rows delay the layers after it).  ``side`` measured cheaper
-(run 46: the default's 4 layers with direct rows x0.987 of capture off on 8k+128, against x0.975 with the ring),
-and its kernels match the torch reference far behind the forwards (tests/test_stream.py -m gpu); it becomes the
-default once the real-engine GPU tests (streamed rows against HF eager) have run with it."""
+the graphs' own memory pool, which the next piece's replay writes over.  ``engine`` (default): always on vLLM's
+stream, in the forward's own order (run 27's design: each layer's rows delay the layers after it).  ``side``
+measured cheaper (run 46: the default's 4 layers with direct rows x0.987 of capture off on 8k+128, against x0.975
+with the ring), and its kernels match the torch reference far behind the forwards (tests/test_stream.py -m gpu);
+it becomes the default once the real-engine GPU tests (streamed rows against HF eager) have run with it."""
 
 ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
 """Fraction in [0, 1] of traces whose full maps are stored (decided per trace id, so every request of a

@@ -14,12 +14,12 @@ speculative tokens) with nothing pending before it is **direct**:
   rows from the forward's own queries into the per-slot buffer (:meth:`DirectRows.run`): on the side stream
   (``ATTN_OTEL_DIRECT_STREAM=side``), which waits for that layer's attention and nothing after it,
   so the forward's later layers and the next forward run beside the kernel; or on the engine's stream, in the
-  forward's order (``engine``, the default, and always in a forward replayed as PIECEWISE CUDA graphs: its queries are in the
-  graphs' own memory pool, which the next piece writes over).  Beside the forward the kernel's inputs (the
-  forward's queries, the plan's uploads) are marked as used on the side stream, so torch's allocator gives their
-  memory to nothing else before it is done; the blocks it reads are the running requests' own, and where one goes back to vLLM
-  (finished, preempted) the capture work that follows on the side stream is what a forward that writes it waits
-  for (:class:`attn_otel.stream.Side`).
+  forward's order (``engine``, the default, and always in a forward replayed as PIECEWISE CUDA graphs: its
+  queries are in the graphs' own memory pool, which the next piece writes over).  Beside the forward the
+  kernel's inputs (the forward's queries, the plan's uploads) are marked as used on the side stream, so torch's
+  allocator gives their memory to nothing else before it is done; the blocks it reads are the running requests'
+  own, and where one goes back to vLLM (finished, preempted) the capture work that follows on the side stream is
+  what a forward that writes it waits for (:class:`attn_otel.stream.Side`).
 
 The ring then holds decode tokens only, and is sized by ``max_num_seqs`` (``vllm_adapter._ring_rows``).  This
 needs the attention of a forward with a prefill chunk to run eagerly, where the taps see the plan: vLLM's
@@ -29,8 +29,9 @@ captured taps write every token to the ring) becomes pending ring rows (:meth:`D
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ class _Plan:
     slots: torch.Tensor  # the direct rows' key slots, on the device
     args: tuple  # the flush kernel's arguments for them (FlushKernels.run_direct)
     used: bool = False  # the forward's first streamed layer took it (else it ran as a CUDA graph: see settle)
-    beside: bool = False  # its uploads are marked as read on the side stream (DirectRows.run)
+    side: bool | None = None  # its kernels beside the forward (decided at its first layer: DirectRows.run)
     queries: dict = dataclasses.field(default_factory=dict)  # layer -> the forward's queries, until run()
 
 
@@ -64,6 +65,9 @@ class DirectRows:
         self.stream = stream
         self.min: int | None = None
         self.beside = False  # the kernels on the side stream (ATTN_OTEL_DIRECT_STREAM=side; the adapter sets it)
+        # whether this forward runs with no CUDA graph, asked once a forward where beside (the adapter gives
+        # vllm_adapter._uncaptured_forward: a PIECEWISE replay's queries are in the graphs' own memory pool)
+        self.uncaptured: Callable[[], bool] = lambda: True
         self.plan: _Plan | None = None
         self.ring_index: torch.Tensor | None = None  # this forward's ring row per token (-1: padding row)
         self.computed = self.steps = self.replayed = 0  # rows computed in forwards; their steps; plans replayed
@@ -154,12 +158,11 @@ class DirectRows:
         self.ring_index = rows
         plan.used = True
 
-    def run(self, layer: int, beside: bool = True) -> None:
+    def run(self, layer: int) -> None:
         """After ``layer``'s attention has written this forward's keys to the cache (or the stream's write to
         its K-only tap): that layer's direct rows, from the forward's own queries, into the per-slot buffer, on
-        the side stream behind the work enqueued so far on the engine's (:attr:`beside` and ``beside``: the
-        adapter says False for a forward replayed as PIECEWISE CUDA graphs, whose queries live in the graphs'
-        memory pool, which torch's allocator does not guard), else on the engine's."""
+        the side stream behind the work enqueued so far on the engine's (:attr:`beside`, in a forward with no
+        CUDA graph: :attr:`uncaptured`), else on the engine's."""
         plan = self.plan
         if plan is None or not plan.used:
             return
@@ -174,22 +177,19 @@ class DirectRows:
         if q.stride(-1) != 1 or q.dtype != st.q.dtype:
             q = q.to(st.q.dtype).contiguous()
         side = st.side
-        if not (self.beside and beside and st.kernels.fused and side.stream is not None):
+        if plan.side is None:  # once a forward; its uploads (one buffer) go when the step settles, kernels or not
+            plan.side = bool(self.beside and st.kernels.fused and side.stream is not None and self.uncaptured())
+            if plan.side:
+                for t in (plan.slots, *plan.args):
+                    if isinstance(t, torch.Tensor):
+                        t.record_stream(side.stream)
+        if plan.side:
+            side.begin()  # after this layer's attention: its queries and keys are written
+            q.record_stream(side.stream)  # the forward frees its queries long before the kernel has read them
+        with side.context() if plan.side else contextlib.nullcontext():
             started = self.timer.start(q.device)
             st.kernels.run_direct(li, q, plan.args, st.ring_of_slot, plan.slots)
             self.timer.stop(started)
-            return
-        side.begin()  # after this layer's attention: its queries and keys are written
-        with side.context():
-            started = self.timer.start(q.device)
-            st.kernels.run_direct(li, q, plan.args, st.ring_of_slot, plan.slots)
-            self.timer.stop(started)
-        q.record_stream(side.stream)  # the forward frees its queries long before the kernel has read them
-        if not plan.beside:  # the plan's uploads (one buffer) go when the step settles: not before the kernels
-            plan.beside = True
-            for t in (plan.slots, *plan.args):
-                if isinstance(t, torch.Tensor):
-                    t.record_stream(side.stream)
 
     @property
     def device_s(self) -> float:

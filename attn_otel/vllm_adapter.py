@@ -987,7 +987,8 @@ def _install(runner, kv_cache_config) -> None:
         stream.defer_flush = config.after_launch  # its flush at half the ring after the forward's launch
         stream.flush_keys = config.flush_keys  # slots or blocks to the flush kernel (ATTN_OTEL_FLUSH_KEYS)
         stream.direct.min = direct_min  # prefill chunks' rows in the forward (None: every token through the ring)
-        stream.direct.beside = config.direct_stream == "side"  # their kernels on the side stream (ATTN_OTEL_DIRECT_STREAM)
+        stream.direct.beside = config.direct_stream == "side"  # on the side stream (ATTN_OTEL_DIRECT_STREAM)
+        stream.direct.uncaptured = _uncaptured_forward  # (not in a PIECEWISE replay)
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")
@@ -1195,7 +1196,7 @@ def _direct_rows(engine, stream, index: int, name: str) -> None:
     """A streamed layer's direct rows of this forward (attn_otel.direct.DirectRows.run), after its
     attention: its keys are in the cache then.  Never raises."""
     try:
-        stream.direct.run(index, beside=_uncaptured_forward())
+        stream.direct.run(index)
     except Exception:  # noqa: BLE001
         engine.warn_once("direct", "direct rows of %s failed; its captures will be wrong or dropped", name,
                          exc=True)

@@ -223,6 +223,7 @@ def capture_delta(before: dict, after: dict, serving_s: float) -> dict:
 def run_phase(phase: str, out: Path, repeats: int, wls: list[str], warm_runs: int = 1) -> dict:
     """One engine of ``phase`` over the workloads ``wls``: ``warm_runs`` warm-up runs of each (other seeds), then
     ``repeats`` measured runs, seeds 0, 1, ...; DIR/phase-PHASE.json after each workload."""
+    warm_runs = max(1, warm_runs)
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-{phase}-"))
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
     env = {"ATTN_OTEL_STORE": str(store), "ATTN_OTEL_STATS_DIR": str(stats_dir), **_phase_env(phase)}
@@ -252,12 +253,12 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str], warm_runs: in
               "vllm_version": vllm.__version__, "env": dict(EXTRA_ENV), "engine_start_s": start_s,
               "kv_cache_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
-              "kv_write": kv_write, "warm_runs": max(1, warm_runs)}
+              "kv_write": kv_write, "warm_runs": warm_runs}
     if PHASE_ENV[phase]:  # a stats file written after vLLM's start-up collections (gc.freeze), not before them
         time.sleep(STATS_WAIT_S)
     before = _latest_stats(stats_dir)
     for wl in wls:
-        warms = [_run_workload(llm, wl, 0.0, seed=99 - i) for i in range(max(1, warm_runs))]  # warm-up (prefix
+        warms = [_run_workload(llm, wl, 0.0, seed=99 - i) for i in range(warm_runs)]  # warm-up (prefix
         warm = {"wall_s": sum(w["wall_s"] for w in warms)}  # cache stays cold: other seeds below)
         with online.HostProfile(os.getpid(), out / f"pyspy-{phase}-{wl}.txt"):  # with BENCH_PYSPY set
             runs = [_run_workload(llm, wl, 0.0, seed=s) for s in range(repeats)]
