@@ -245,8 +245,8 @@ class CaptureEngine:
                         stream_flush_times=quantiles(st.flush_times),
                         stream_spilled_blocks=st.spill.spilled if st.spill is not None else None,
                         stream_ring_drifts=st.counter.drifts, stream_direct_rows=st.direct.computed,
-                        stream_direct_steps=st.direct.steps, stream_direct_replayed=st.direct.replayed,
-                        stream_direct_device_s=st.direct.device_s)
+                        stream_direct_steps=st.direct.steps, stream_direct_side_steps=st.direct.side_steps,
+                        stream_direct_replayed=st.direct.replayed, stream_direct_device_s=st.direct.device_s)
         return snap
 
     def _dump_loop(self) -> None:

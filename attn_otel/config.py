@@ -48,31 +48,28 @@ ATTN_OTEL_STREAM_DIRECT = "ATTN_OTEL_STREAM_DIRECT"
 """``1``: a streamed layer computes a prefill chunk's rows in the forward, right after its attention, from the
 forward's own queries, so that the query ring holds decode tokens only and is sized by ``max_num_seqs``
 (times 1 + the speculative tokens), not by ``max_num_batched_tokens``; ``0``: every token goes through the
-ring.  ``auto`` (default): ``1`` where that shrinks the ring by at least :data:`DIRECT_AUTO_SHARE` of the KV
-budget vLLM computed (:data:`DIRECT_AUTO_BYTES` where it is not known), else ``0``.  On an H100 with an 8B
-model (58 GiB of KV budget) at 16,384-token steps, all 32 layers save 2.1 GiB (on), the default 4 layers
-0.25 GiB (off); at ``vllm serve``'s 8,192-token steps nothing is saved (off); a big model on a small budget
-saves a larger share (gpt-oss-120b's default layers on one H100: 0.25 of 9 GiB, on).  Where it is off a
-prefill chunk's rows go through the ring and are computed by its flushes on the side stream, which measured
-cheaper than direct rows in the forward's order (docs/benchmarks/history.md, run 27); with the direct rows'
-kernels beside the forward (``ATTN_OTEL_DIRECT_STREAM=side``, not yet the default) the default's 4 layers
-measured cheaper with them on (run 46, 8k+128 only: x0.987 against x0.975), so ``auto``'s rule is due to be
-measured again.  Off where vLLM runs mixed batches as full CUDA graphs."""
+ring and is computed by its flushes on the side stream.  ``auto`` (default): ``1`` where the kernels go beside
+the forward (``ATTN_OTEL_DIRECT_STREAM=side``, the default: run 47 measured the default's 4 layers with them at
+x0.975-0.989 of capture off on the four offline workloads, against run 45's x0.961-0.983 with the ring); with
+them on vLLM's stream, ``1`` only where that shrinks the ring by at least :data:`DIRECT_AUTO_SHARE` of the KV
+budget vLLM computed (:data:`DIRECT_AUTO_BYTES` where it is not known), since in the forward's order they cost
+more than the ring's flushes (docs/benchmarks/history.md, run 27).  Off where vLLM runs mixed batches as full
+CUDA graphs.  A chunk behind rows still pending in the ring has those flushed first."""
 
 DIRECT_AUTO_SHARE = 0.01
 DIRECT_AUTO_BYTES = 1 << 30
 
 ATTN_OTEL_DIRECT_STREAM = "ATTN_OTEL_DIRECT_STREAM"
-"""Where direct rows' kernels run (``ATTN_OTEL_STREAM_DIRECT``).  ``side``: on attn-otel's side stream,
+"""Where direct rows' kernels run (``ATTN_OTEL_STREAM_DIRECT``).  ``side`` (default): on attn-otel's side stream,
 launched after each streamed layer's attention and waiting only for it, so that the rest of the forward (the
 later layers, the next forward) runs beside them; a forward waits for them only where it would write a block
-they read (a preempted or finished request's, as for any capture work).  A forward replayed as PIECEWISE CUDA
-graphs (a batch no larger than the graphs vLLM captured) keeps them on vLLM's stream even so: its queries are in
-the graphs' own memory pool, which the next piece's replay writes over.  ``engine`` (default): always on vLLM's
-stream, in the forward's own order (run 27's design: each layer's rows delay the layers after it).  ``side``
-measured cheaper (run 46: the default's 4 layers with direct rows x0.987 of capture off on 8k+128, against x0.975
-with the ring), and its kernels match the torch reference far behind the forwards (tests/test_stream.py -m gpu);
-it becomes the default once the real-engine GPU tests (streamed rows against HF eager) have run with it."""
+they read (a preempted or finished request's, as for any capture work).  Only in a forward with no CUDA graph:
+a step of no more tokens than vLLM's largest graph (replayed as PIECEWISE graphs, whose queries are in the
+graphs' own memory pool, which the next piece's replay writes over) makes no direct plan, and its chunks go
+through the ring as with direct rows off.  ``engine``: on vLLM's stream, in the forward's own order, in every
+forward with a plan (run 27's design: each layer's rows delay the layers after it).  With ``side`` the streamed
+rows matched HF eager on the real engine (tests/test_gpu_stream.py, run 47) and the kernels match the torch
+reference far behind the forwards (tests/test_stream.py -m gpu)."""
 
 ATTN_OTEL_MAPS_SAMPLE = "ATTN_OTEL_MAPS_SAMPLE"
 """Fraction in [0, 1] of traces whose full maps are stored (decided per trace id, so every request of a
@@ -357,7 +354,7 @@ class Config:
     map_layers: str | tuple[int, ...] = "auto"
     stream_rows: int = 0
     stream_direct: str = "auto"
-    direct_stream: str = "engine"
+    direct_stream: str = "side"
     maps_sample: float = 0.01
     max_map_tokens: int = 8192
     map_tap_tokens: int = 0

@@ -68,20 +68,31 @@ class DirectRows:
         # whether this forward runs with no CUDA graph, asked once a forward where beside (the adapter gives
         # vllm_adapter._uncaptured_forward: a PIECEWISE replay's queries are in the graphs' own memory pool)
         self.uncaptured: Callable[[], bool] = lambda: True
+        # beside: the most tokens a forward replayed as CUDA graphs has (vLLM's largest graph, at most the ring's
+        # rows; the adapter sets it): a step of no more has no plan, its chunks' rows go through the ring (written
+        # in the graphs, computed by flushes on the side stream) rather than on vLLM's stream in the forward
+        self.graphed = 0
         self.plan: _Plan | None = None
         self.ring_index: torch.Tensor | None = None  # this forward's ring row per token (-1: padding row)
         self.computed = self.steps = self.replayed = 0  # rows computed in forwards; their steps; plans replayed
+        self.side_steps = 0  # of those steps, the ones whose kernels ran beside the forward (plan.side)
         self.timer = DeviceTimer()  # each layer's launch of the direct rows' kernel
 
     # ------------------------------------------------------------------ engine loop, before a forward
     def take(self, lives: list, head: int, total: int) -> tuple[list, int]:
         """Of this step's ``(live, first position, count)``, the direct chunks get a plan; returns the others
         (the ring's) and the ring's tokens of the step (``total`` less the direct ones)."""
-        if self.min is None:
+        if self.min is None or (self.beside and total <= self.graphed):
             return lives, total
-        direct = [it for it in lives if it[2] > self.min and it[0].count == 0 and not it[0].lost]
+        direct = [it for it in lives if it[2] > self.min and not it[0].lost]
         if not direct:
             return lives, total
+        # a chunk behind rows still pending in the ring (a step replayed as graphs, or too small to go direct):
+        # those are computed first, so the chunk goes direct and the ring never holds a prefill chunk it was not
+        # sized for (with direct rows it holds the decode tokens of max_num_seqs requests)
+        behind = [it[0] for it in direct if it[0].count]
+        if behind:
+            self.stream.flush(behind)
         self.plan = self._make(direct, head)
         ids = {id(it) for it in direct}
         for live, start, n in direct:
@@ -208,6 +219,7 @@ class DirectRows:
         n = sum(c for _, _, c in plan.items)
         if plan.used:
             self.steps += 1
+            self.side_steps += bool(plan.side)
             self.computed += n
             return
         self.replayed += 1

@@ -822,8 +822,9 @@ def _plan(runner, config, specs, layers, par=None, stream_local: bool | None = N
 
 def _ring_rows(runner, config, streamed, available: int | None = None) -> tuple[int, int | None]:
     """The query ring's rows and the direct rows' threshold (:func:`_direct_min`; None: off): one step's ring
-    tokens always fit, every token of the step, or with direct rows its decode tokens.  ``auto`` weighs the ring
-    saved against ``available``, the KV budget vLLM computed (by default the one the start-up sizing saw)."""
+    tokens always fit, every token of the step, or with direct rows its decode tokens.  ``auto``: on where their
+    kernels go beside the forward (ATTN_OTEL_DIRECT_STREAM=side); on vLLM's stream it weighs the ring saved against
+    ``available``, the KV budget vLLM computed (by default the one the start-up sizing saw)."""
     from .config import DIRECT_AUTO_BYTES, DIRECT_AUTO_SHARE
     from .stream import DEFAULT_ROWS, MetricsStream
 
@@ -833,7 +834,7 @@ def _ring_rows(runner, config, streamed, available: int | None = None) -> tuple[
     if direct is None:
         return plain, None
     rows = max(config.stream_rows or DEFAULT_ROWS, int(sched.max_num_seqs) * direct)
-    if config.stream_direct == "auto":
+    if config.stream_direct == "auto" and config.direct_stream != "side":  # beside the forward: on (run 47)
         dtype = _model_dtype(runner)
         saved = MetricsStream.ring_bytes(streamed, plain, dtype) - MetricsStream.ring_bytes(streamed, rows, dtype)
         budget = available if available is not None else getattr(runner, "_attn_otel_kv_available", None)
@@ -857,6 +858,20 @@ def _direct_min(runner, config) -> int | None:
         pass
     spec = getattr(vc, "speculative_config", None)
     return 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 1
+
+
+def _graphed_tokens(runner) -> int:
+    """The most tokens a forward vLLM replays as CUDA graphs has (its largest captured size); 0 where it
+    captures none (enforce_eager, cudagraph mode NONE) or where unknown."""
+    try:
+        cc = runner.vllm_config.compilation_config
+        mode = cc.cudagraph_mode
+        if mode is None or mode.name == "NONE":
+            return 0
+        sizes = cc.cudagraph_capture_sizes or []
+        return int(cc.max_cudagraph_capture_size or max(sizes, default=0))
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 def _takes_images(runner) -> bool:
@@ -989,6 +1004,7 @@ def _install(runner, kv_cache_config) -> None:
         stream.direct.min = direct_min  # prefill chunks' rows in the forward (None: every token through the ring)
         stream.direct.beside = config.direct_stream == "side"  # on the side stream (ATTN_OTEL_DIRECT_STREAM)
         stream.direct.uncaptured = _uncaptured_forward  # (not in a PIECEWISE replay)
+        stream.direct.graphed = min(_graphed_tokens(runner), rows)  # steps replayed as graphs: through the ring
         logger.info("attn-otel: map layers %s (Q/K tap); %d layers streamed (query ring of %d rows, %.1f MiB in "
                     "all, keys %s)", [s.index for s in specs if s not in streamed], len(streamed), rows,
                     stream.nbytes() / 2**20, "read from the KV cache" if len(keys) == len(streamed) else "tapped")

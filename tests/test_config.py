@@ -200,21 +200,25 @@ def _llama_layers(n):
             for i in range(n)]
 
 
-@pytest.mark.parametrize("raw, layers, step, mixed, rows, direct", [
-    # auto: direct rows where the ring they save is at least 1 GiB (all 32 layers of an 8B model at 16k steps)
-    ("auto", 32, 16384, "PIECEWISE", 8192, 1),
-    ("auto", 4, 16384, "PIECEWISE", 16384, None),  # the default 4 layers: 0.25 GiB saved, not worth it
-    ("auto", 32, 8192, "PIECEWISE", 8192, None),  # vllm serve's steps: nothing saved
-    ("1", 4, 16384, "PIECEWISE", 8192, 1),
-    ("1", 32, 16384, "FULL", 16384, None),  # mixed batches as full CUDA graphs: the taps never see a plan
-    ("0", 32, 16384, "PIECEWISE", 16384, None),
+@pytest.mark.parametrize("raw, where, layers, step, mixed, rows, direct", [
+    # auto, kernels beside the forward (the default): direct rows wherever the taps can take a step's plan
+    ("auto", "side", 4, 16384, "PIECEWISE", 8192, 1),  # the default 4 layers (run 47: x0.975-0.989, ring x0.96-0.98)
+    ("auto", "side", 32, 8192, "PIECEWISE", 8192, 1),  # vllm serve's steps: no ring saved, no prefill flushes
+    ("auto", "side", 32, 16384, "FULL", 16384, None),  # mixed batches as full CUDA graphs: never
+    # auto, kernels on vLLM's stream: where the ring they save is at least 1 GiB (32 layers of an 8B at 16k steps)
+    ("auto", "engine", 32, 16384, "PIECEWISE", 8192, 1),
+    ("auto", "engine", 4, 16384, "PIECEWISE", 16384, None),  # the default 4 layers: 0.25 GiB saved, not worth it
+    ("auto", "engine", 32, 8192, "PIECEWISE", 8192, None),  # vllm serve's steps: nothing saved
+    ("1", "engine", 4, 16384, "PIECEWISE", 8192, 1),
+    ("1", "side", 32, 16384, "FULL", 16384, None),  # mixed batches as full CUDA graphs: the taps never see a plan
+    ("0", "side", 32, 16384, "PIECEWISE", 16384, None),
 ])
-def test_direct_rows_and_the_ring_they_size(raw, layers, step, mixed, rows, direct):
+def test_direct_rows_and_the_ring_they_size(raw, where, layers, step, mixed, rows, direct):
     from attn_otel.vllm_adapter import _ring_rows
 
-    config = Config.from_env({"ATTN_OTEL_STREAM_DIRECT": raw})
+    config = Config.from_env({"ATTN_OTEL_STREAM_DIRECT": raw, "ATTN_OTEL_DIRECT_STREAM": where})
     assert _ring_rows(_runner(step, 1024, mixed=mixed), config, _llama_layers(layers)) == (rows, direct)
-    assert Config().stream_direct == "auto"
+    assert (Config().stream_direct, Config().direct_stream) == ("auto", "side")
 
 
 @pytest.mark.parametrize("layers, budget_gib, direct", [
@@ -222,13 +226,15 @@ def test_direct_rows_and_the_ring_they_size(raw, layers, step, mixed, rows, dire
     (4, 9, 1),  # a big model's small budget on one GPU: 2.8%
     (32, 58, 1),
 ])
-def test_auto_weighs_the_ring_saved_against_the_kv_budget(layers, budget_gib, direct):
+def test_auto_on_vllms_stream_weighs_the_ring_saved_against_the_kv_budget(layers, budget_gib, direct):
     from attn_otel.vllm_adapter import _ring_rows
 
     runner = _runner(16384, 1024)
-    assert _ring_rows(runner, Config(), _llama_layers(layers), budget_gib << 30)[1] == direct
+    engine = Config.from_env({"ATTN_OTEL_DIRECT_STREAM": "engine"})
+    assert _ring_rows(runner, engine, _llama_layers(layers), budget_gib << 30)[1] == direct
     runner._attn_otel_kv_available = budget_gib << 30  # the start-up sizing's, where the install reads it
-    assert _ring_rows(runner, Config(), _llama_layers(layers))[1] == direct
+    assert _ring_rows(runner, engine, _llama_layers(layers))[1] == direct
+    assert _ring_rows(runner, Config(), _llama_layers(layers), budget_gib << 30)[1] == 1  # beside: on regardless
 
 
 def test_direct_rows_leave_a_decode_step_with_speculative_tokens_to_the_ring():

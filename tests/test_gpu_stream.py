@@ -80,6 +80,7 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
                "prefix_cached_tokens": max(o.num_cached_tokens or 0 for o, _ in runs),
                "stream_flushes": engine.stream.flushes, "stream_flushed_rows": engine.stream.flushed_rows,
                "stream_direct_rows": engine.stream.direct.computed, "stream_direct_replayed": engine.stream.direct.replayed,
+               "stream_direct_side_steps": engine.stream.direct.side_steps,
                "blocks": _blocks(), "stats": stats,
                "steady_joins": None if engine.steady is None else engine.steady.joins}
     snap = engine.stats_snapshot()  # CUDA-event device times (attn_otel.timing.DeviceTimer), read once completed
@@ -145,6 +146,10 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
         # streamed layer's attention (PIECEWISE: eager there), decode rows through the ring written in the graphs
         assert engine.stream.direct.computed > 0 and engine.stream.direct.replayed == 0
         assert results["device_s"]["stream_direct_device_s"] > 0, results["device_s"]
+        # beside the forward (ATTN_OTEL_DIRECT_STREAM=side) in the forwards with no CUDA graph: the prefill steps
+        # here are larger than vLLM's largest graph (2 x max_num_seqs = 64 tokens), so some ran with none
+        beside = engine.stream.direct.beside  # (ATTN_OTEL_DIRECT_STREAM's value)
+        assert (engine.stream.direct.side_steps > 0) == beside, (beside, engine.stream.direct.side_steps)
     else:
         assert engine.stream.direct.computed == 0
     assert rows.err or summaries.err

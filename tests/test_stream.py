@@ -287,6 +287,42 @@ def test_direct_rows_beside_decode_steps_and_tokens_not_followed(device):
     assert st._head == 4 + 3 + 4 * 5 and int(st.head) == st._head  # a's 4 and b's 3 decode tokens, u's 20
 
 
+def test_a_step_small_enough_for_a_cuda_graph_has_no_direct_plan_where_beside(device):
+    """Beside the forward, a step of no more tokens than vLLM's largest CUDA graph (``graphed``: replayed as
+    PIECEWISE graphs, where the kernels could not go beside) makes no plan: its prefill chunk goes through the ring
+    and a flush; a larger step's chunk goes direct.  On vLLM's stream the threshold does not apply."""
+    for beside, want_direct in ((True, 24), (False, 6 + 24)):
+        toy = Toy(64, device=device, direct=True, beside=beside)
+        toy.stream.direct.graphed = 16
+        toy.new("a", 12, prompt_len=6)
+        toy.new("b", 30, prompt_len=24)
+        toy.step([("a", 0, 6)])  # 6 tokens: a graph's, so through the ring where beside
+        st = toy.stream
+        assert st.pending() == (6 if beside else 0) and st.direct.replayed == 0
+        toy.step([("b", 0, 24)])  # 24 > 16: no graph, direct
+        assert st.pending() == (6 if beside else 0)  # (a's rows wait for a flush: a has no chunk here)
+        for p in range(6):
+            toy.step([("a", 6 + p, 1), ("b", 24 + p, 1)])
+        got = toy.step([], finished=["a", "b"])
+        toy.check("a", got["a"])
+        toy.check("b", got["b"])
+        assert st.direct.computed == want_direct and st.direct.steps == (1 if beside else 2)
+
+
+def test_graphed_tokens_are_vllms_largest_cuda_graph():
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+
+    from attn_otel.vllm_adapter import _graphed_tokens
+
+    def runner(**kw):
+        return SimpleNamespace(vllm_config=SimpleNamespace(compilation_config=CompilationConfig(**kw)))
+
+    assert _graphed_tokens(runner(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, max_cudagraph_capture_size=64)) == 64
+    assert _graphed_tokens(runner(cudagraph_mode=CUDAGraphMode.NONE, max_cudagraph_capture_size=64)) == 0  # eager
+    assert _graphed_tokens(runner()) == 0  # not resolved: unknown
+    assert _graphed_tokens(SimpleNamespace()) == 0
+
+
 def test_direct_rows_of_a_forward_run_as_a_cuda_graph_go_through_the_ring(device):
     """A forward that never called the taps with the step's plan (a CUDA graph replay: its captured taps write
     every token to the ring) leaves the plan unused: its chunks become pending ring rows, computed by a flush."""
@@ -295,12 +331,13 @@ def test_direct_rows_of_a_forward_run_as_a_cuda_graph_go_through_the_ring(device
     toy.step([("a", 0, 6)], replay=True)  # settled after the launch: 6 pending rows
     st = toy.stream
     assert st.direct.plan is None and st.direct.replayed == 1 and st.pending() == 6 and st._head == 6
-    toy.step([("a", 6, 4)])  # nothing pending before? no: 6 are, so this chunk goes through the ring too
-    assert st.direct.computed == 0 and st.pending() == 10 and st._head == 10
+    flushes = st.flushes
+    toy.step([("a", 6, 4)])  # behind its 6 pending rows: they are flushed first, and this chunk goes direct
+    assert st.flushes == flushes + 1 and st.direct.computed == 4 and st.pending() == 0 and st._head == 6
     for p in range(10, 14):
         toy.step([("a", p, 1)])
     toy.check("a", toy.step([], finished=["a"])["a"])
-    assert st.counter.drifts == 0 and int(st.head) == st._head == 14
+    assert st.counter.drifts == 0 and int(st.head) == st._head == 10
 
 
 @pytest.mark.parametrize("rows", [16, 64])
