@@ -91,12 +91,15 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              # offline the engine's step is up to 16,384 tokens and the ring as many rows: twice that (session 59:
              # 103 of the mixed workload's 175 forwards that waited on the side stream waited for the ring)
              "default-rows32k": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_ROWS": "32768"},
-             # direct rows for the default's 4 layers too (auto leaves them off: they save < 1% of the KV budget),
-             # their kernels beside the forward on the side stream (ATTN_OTEL_DIRECT_STREAM=side)
+             # direct rows beside the forward, set explicitly: the default since 20a6963 (run 47 measured it so)
              "default-direct": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_DIRECT": "1", "ATTN_OTEL_DIRECT_STREAM": "side"},
-             # all layers with the direct rows' kernels beside the forward, on the side stream (`all` keeps them in
-             # the forward's order on vLLM's stream, ATTN_OTEL_DIRECT_STREAM's default)
-             "all-side": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all", "ATTN_OTEL_DIRECT_STREAM": "side"}}
+             # the default before 20a6963: the 4 layers' prefill rows through the ring of a step, flushed on the
+             # side stream (run 45's figures)
+             "default-ring": {"ATTN_OTEL": "1", "ATTN_OTEL_STREAM_DIRECT": "0"},
+             # all layers with the direct rows' kernels beside the forward, set explicitly (the default since
+             # 20a6963), and with them on vLLM's stream in the forward's order (run 47: the two alike)
+             "all-side": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all", "ATTN_OTEL_DIRECT_STREAM": "side"},
+             "all-engine": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all", "ATTN_OTEL_DIRECT_STREAM": "engine"}}
 EXTRA_ENV: dict[str, str] = {}  # --env: one switch on top of every phase that captures (an A/B on one machine)
 
 

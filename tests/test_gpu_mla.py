@@ -63,6 +63,9 @@ def mla_engine(mla_model, tmp_path_factory):
                        "ATTN_OTEL_ROW_METRICS": "all", "ATTN_OTEL_VERIFY": "1", "ATTN_OTEL_MAPS_SAMPLE": "0",
                        "ATTN_OTEL_STORE_TOKENS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")  # prefill rows in the forward (auto: off this small)
+    # on vLLM's stream: every step here (at most 256 tokens) is replayed as CUDA graphs (vLLM caps its largest
+    # at 256), where beside the forward (ATTN_OTEL_DIRECT_STREAM=side, the default) makes no direct plan
+    os.environ.setdefault("ATTN_OTEL_DIRECT_STREAM", "engine")
     from vllm import LLM
 
     llm = LLM(model=mla_model, skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=256,

@@ -41,6 +41,9 @@ def spec_engine(gpu_model, tmp_path_factory):  # noqa: F811
                        # greedy anyway; FlashInfer's sampler is JIT-built by vLLM's warm-up on a fresh machine (minutes)
                        "VLLM_USE_FLASHINFER_SAMPLER": "0"})
     os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")  # prefill rows in the forward (auto: off this small)
+    # on vLLM's stream: every step here (at most 256 tokens) is replayed as CUDA graphs (vLLM caps its largest
+    # at 256), where beside the forward (ATTN_OTEL_DIRECT_STREAM=side, the default) makes no direct plan
+    os.environ.setdefault("ATTN_OTEL_DIRECT_STREAM", "engine")
     from vllm import LLM
 
     if METHOD in ("eagle", "eagle3"):
