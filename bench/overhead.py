@@ -211,7 +211,9 @@ def capture_delta(before: dict, after: dict, serving_s: float) -> dict:
 
     parts = {k: num(after, k) - num(before, k) for k in DEVICE_PARTS}
     gpu = sum(parts.values())
-    host = sum((after.get("step_host_s") or {}).values()) - sum((before.get("step_host_s") or {}).values())
+    h0, h1 = before.get("step_host_s") or {}, after.get("step_host_s") or {}
+    host_parts = {k: round(v - h0.get(k, 0.0), 4) for k, v in h1.items()}
+    host = sum(host_parts.values())
     was = before.get("dropped") or {}
     dropped = {r: n - was.get(r, 0) for r, n in (after.get("dropped") or {}).items() if n - was.get(r, 0)}
     g0, g1 = before.get("gc_pauses") or {}, after.get("gc_pauses") or {}
@@ -219,13 +221,18 @@ def capture_delta(before: dict, after: dict, serving_s: float) -> dict:
             for k in ("count", "total_s")}
     return {"serving_s": serving_s, **parts, "gpu_s": gpu, "gpu_share": gpu / serving_s if serving_s > 0 else None,
             "gc": gc_d,
-            "host_s": host, "host_share": host / serving_s if serving_s > 0 else None,
+            "host_s": host, "host_share": host / serving_s if serving_s > 0 else None, "host_parts": host_parts,
+            "finish_batches": int(num(after.get("finish_batch_times") or {}, "n")
+                                  - num(before.get("finish_batch_times") or {}, "n")),
             "stored": int(num(after, "stored") - num(before, "stored")), "dropped": dropped}
 
 
-def run_phase(phase: str, out: Path, repeats: int, wls: list[str], warm_runs: int = 1) -> dict:
+def run_phase(phase: str, out: Path, repeats: int, wls: list[str], warm_runs: int = 1, per_run: bool = False) -> dict:
     """One engine of ``phase`` over the workloads ``wls``: ``warm_runs`` warm-up runs of each (other seeds), then
-    ``repeats`` measured runs, seeds 0, 1, ...; DIR/phase-PHASE.json after each workload."""
+    ``repeats`` measured runs, seeds 0, 1, ...; DIR/phase-PHASE.json after each workload.  ``per_run``: a pause of
+    STATS_WAIT_S before each measured run and after the last (in every phase, capture off's too, so that the runs
+    see the same idle gaps) and, with capture on, each run's own capture delta (``run_deltas``, the warm-up's
+    first), to tell which run pays what."""
     warm_runs = max(1, warm_runs)
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-{phase}-"))
     store = Path(tempfile.mkdtemp(prefix=f"attn-otel-store-{phase}-"))
@@ -263,10 +270,24 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str], warm_runs: in
     for wl in wls:
         warms = [_run_workload(llm, wl, 0.0, seed=99 - i) for i in range(warm_runs)]  # warm-up (prefix
         warm = {"wall_s": sum(w["wall_s"] for w in warms)}  # cache stays cold: other seeds below)
+        runs, marks = [], []  # marks: the stats before each measured run and after the last (per_run)
+
+        def mark():  # the same pause in every phase, capture off's too: the stats file is rewritten every second
+            time.sleep(STATS_WAIT_S)
+            marks.append(_latest_stats(stats_dir) if PHASE_ENV[phase] else {})
+
         with online.HostProfile(os.getpid(), out / f"pyspy-{phase}-{wl}.txt"):  # with BENCH_PYSPY set
-            runs = [_run_workload(llm, wl, 0.0, seed=s) for s in range(repeats)]
+            for s in range(repeats):
+                if per_run:
+                    mark()
+                runs.append(_run_workload(llm, wl, 0.0, seed=s))
+            if per_run:
+                mark()
         best = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
         result["runs"][wl] = best | {"all_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+        if per_run and PHASE_ENV[phase]:  # the warm-up's delta first, then each measured run's
+            result["runs"][wl]["run_deltas"] = [capture_delta(x, y, r["wall_s"])
+                                                for x, y, r in zip([before] + marks, marks, [warm] + runs)]
         print(f"[{phase}] {wl}: {best['output_tokens_per_s']:.0f} tok/s "
               f"(runs {[round(r['output_tokens_per_s']) for r in runs]})", flush=True)
         if PHASE_ENV[phase]:  # this workload's share of the capture stats (the warm-up's included)
@@ -469,10 +490,15 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
     off = phases.get("off", {})
     configs = {"default": "default", "all_layers": "all"}
 
-    def ratio(phase, wl):
+    def ratio(phase, wl):  # against the capture-off run of the same call where a merged phase file keeps one
         a = phases.get(phase, {}).get("runs", {}).get(wl)
-        b = off.get("runs", {}).get(wl)
+        b = (a or {}).get("off") or off.get("runs", {}).get(wl)
         return a["output_tokens_per_s"] / b["output_tokens_per_s"] if a and b else None
+
+    def where(phase, wl):  # the machine and date of one cell: its own (a merged phase file) or its phase's
+        p = phases.get(phase, {})
+        r = p.get("runs", {}).get(wl) or {}
+        return _machine(r.get("gpu") or p.get("gpu") or p.get("device"), r.get("date") or p.get("date"))
 
     wls: dict[str, dict] = {}
     for wl in WORKLOADS:
@@ -525,7 +551,11 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
     (out / "overhead.json").write_text(json.dumps(doc, indent=1))
     names = list(wls)
     offline = _machine(off.get("gpu") or off.get("device"), off.get("date"))
-    measured = {wl: offline for wl in names}
+    measured = {}
+    for wl in names:  # one machine, or each configuration's where a merged file's cells come from several
+        cells = {c: where(p, wl) for c, p in configs.items() if wls[wl]["ratios"].get(c) is not None}
+        seen = list(dict.fromkeys(cells.values())) or [offline]
+        measured[wl] = seen[0] if len(seen) == 1 else "; ".join(f"{c.replace('_', ' ')}: {m}" for c, m in cells.items())
     if "online" in wls:
         measured["online"] = _machine(wls["online"]["device"], wls["online"].get("date"))
     lines = ["| workload | default | all layers | measured on |", "| --- | --- | --- | --- |"]
@@ -533,8 +563,10 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
         r = wls[wl]["ratios"]
         lines.append(f"| {wl} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:.3f}" for c in configs)
                      + f" | {measured[wl]} |")
+    kv_at = list(dict.fromkeys(_machine(phases[p].get("gpu") or phases[p].get("device"), phases[p].get("date"))
+                               for p in ("off", *configs.values()) if p in phases)) or [offline]
     lines.append("| KV-cache capacity | " + " | ".join("-" if kv[c] is None else f"{kv[c]:.3f}" for c in configs)
-                 + f" | {offline} |")
+                 + f" | {'; '.join(kv_at)} |")
     (out / "overhead-table.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(11, 4.8))
     width = 0.38
@@ -546,7 +578,12 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
             ax.text(b_.get_x() + b_.get_width() / 2, 0.61 if v is None else v + 0.01, "-" if v is None else f"{v:.3f}",
                     ha="center", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8)
-    ticks = [wl if measured[wl] == offline else f"{wl}\n({measured[wl]})" for wl in names]
+    import re
+
+    def short(m):  # a tick's note: the GPUs, one line each
+        return "\n".join(re.sub(r"H[0-9]+ (GPU-[0-9a-f]{8})(, [0-9-]+)?", r"\1", part) for part in m.split("; "))
+
+    ticks = [wl if measured[wl] == offline else f"{wl}\n({short(measured[wl])})" for wl in names]
     ax.set_xticks(range(len(names) + 1), [*ticks, "KV-cache\ncapacity"], fontsize=8)
     ax.set_ylim(0.6, 1.1)
     ax.set_ylabel("ratio to capture off")
@@ -589,6 +626,9 @@ def main(argv=None) -> int:
                     help="with --engine-profile: trace only this many engine steps (0: the whole run)")
     ap.add_argument("--profile-delay", type=int, default=0,
                     help="with --engine-profile: start the trace this many engine steps into the run")
+    ap.add_argument("--per-run", action="store_true",
+                    help="pause before each measured run and after the last (every phase) and keep each run's own "
+                         "capture delta (run_deltas: the warm-up's first)")
     ap.add_argument("--warm-runs", type=int, default=1,
                     help="warm-up runs of each workload before the measured ones (2: whether the first measured run "
                          "pays a one-time cost, such as the writer processes starting on the first captures)")
@@ -613,7 +653,7 @@ def main(argv=None) -> int:
         profile_phase(args.profile, args.out, (args.workload or ["512+256"])[0], args.stacks)
         return 0
     for phase in args.phase:
-        run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS), args.warm_runs)
+        run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS), args.warm_runs, args.per_run)
     for phase in args.online:
         run_online(phase, args.out, args.repeats)
     if args.report:

@@ -33,11 +33,13 @@ KEYS = ("track_us_p50", "track_us_mean", "quiet_us_p50", "after_us_mean")  # com
 
 
 def measure(live: int, steps: int, device: str, seed: int = 0, steady: bool | None = None,
-            keep: bool = False) -> dict:
+            keep: bool = False, fixed: tuple[int, int] | None = None) -> dict:
     """In this process: per-step host seconds of ``_track`` and of the work after the launch.  ``steady``: the
     step counter of attn_otel.steady on or off (None: ``ATTN_OTEL_STEADY``, default on); ``keep``: the result also
     holds what was captured (``finished``: request id -> tokens and blocks) and the streamed layers' per-slot
-    metric rows at the end (``metrics``), for comparing two runs."""
+    metric rows at the end (``metrics``), for comparing two runs.  ``fixed``: every request of (prompt, output)
+    tokens and a step of up to 16,384 tokens, as the offline 512+256 workload of bench/overhead.py (requests
+    arriving in waves as a wave finishes) instead of lognormal lengths and one or two prompts a step."""
     import numpy as np
     import torch
 
@@ -56,13 +58,16 @@ def measure(live: int, steps: int, device: str, seed: int = 0, steady: bool | No
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     total_blocks = 12_000 if gpu else 6_000
+    if fixed:
+        total_blocks = max(total_blocks, int(live * (-(-(sum(fixed) + 1) // BS) + 1) * 1.1))
     layers = [LayerSpec(index=i, name=f"l{i}", num_heads=H, num_kv_heads=HKV, head_dim=D, scale=D ** -0.5)
               for i in (0, 10, 21, 31)]
     dtype = torch.bfloat16 if gpu else torch.float32
     keys = {s.index: torch.randn(total_blocks, BS, HKV, D, dtype=dtype, device=device) for s in layers}
     store = tempfile.mkdtemp(prefix="step-track-")
     config = Config(enabled=True, store=store)
-    stream = MetricsStream(layers, total_blocks * BS, 8192, dtype, device, BS, config.sink_tokens, keys,
+    rows = 8192 if not fixed else 4 * 16_384  # (with no direct rows here, a 16,384-token step's rows go to the ring)
+    stream = MetricsStream(layers, total_blocks * BS, rows, dtype, device, BS, config.sink_tokens, keys,
                            spill_slots=spill_slots(BS))
     stream.defer_flush = config.after_launch
     if hasattr(stream, "flush_keys"):
@@ -99,8 +104,11 @@ def measure(live: int, steps: int, device: str, seed: int = 0, steady: bool | No
     def arrive() -> SimpleNamespace:
         r = f"req-{serial[0]}"
         serial[0] += 1
-        prompt = int(np.clip(rng.lognormal(np.log(400), 0.8), 16, 1000))
-        out = int(np.clip(rng.lognormal(np.log(150), 0.7), 4, 1000))
+        if fixed:
+            prompt, out = fixed
+        else:
+            prompt = int(np.clip(rng.lognormal(np.log(400), 0.8), 16, 1000))
+            out = int(np.clip(rng.lognormal(np.log(150), 0.7), 4, 1000))
         need = -(-(prompt + 1) // BS)
         blocks = [free.popleft() for _ in range(need)]
         extra = {arrival.MAPS_KEY: bool(rng.random() < 0.01)}
@@ -132,7 +140,7 @@ def measure(live: int, steps: int, device: str, seed: int = 0, steady: bool | No
     warm = min(200, steps // 4)
     for step in range(steps + warm):
         new, sched = [], {}
-        budget = 1024  # about what arrives a step at 80% load (one or two prompts)
+        budget = 16_384 if fixed else 1024  # vLLM's offline step, or about what arrives a step at 80% load
         while len(running) < live and budget > 0:
             n, prompt = arrive()
             budget -= prompt
@@ -207,6 +215,15 @@ def measure(live: int, steps: int, device: str, seed: int = 0, steady: bool | No
             **(snap_keep if keep else {})}
 
 
+def _fixed(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    prompt, _, out = text.partition("+")
+    if not (prompt.isdigit() and out.isdigit() and int(prompt) > 0 and int(out) > 0):
+        raise SystemExit(f"--fixed wants PROMPT+OUTPUT, two positive integers (e.g. 512+256), not {text!r}")
+    return int(prompt), int(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", help="a checkout of another attn-otel (e.g. a git worktree of an earlier commit)")
@@ -214,16 +231,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fixed", help="PROMPT+OUTPUT: every request that long, 16,384-token steps (e.g. 512+256)")
     ap.add_argument("--out")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # internal: one checkout
     a = ap.parse_args()
     if a.measure or not a.baseline:
-        got = measure(a.live, a.steps, a.device)
+        got = measure(a.live, a.steps, a.device, fixed=_fixed(a.fixed))
         print(json.dumps(got))
         return
     checkouts = {"this": HERE, "baseline": baseline(a.baseline)}
-    got = rounds(__file__, ["--measure", "--live", str(a.live), "--steps", str(a.steps), "--device", a.device],
-                 checkouts, a.rounds, swap=True)
+    got = rounds(__file__, ["--measure", "--live", str(a.live), "--steps", str(a.steps), "--device", a.device]
+                 + (["--fixed", a.fixed] if a.fixed else []), checkouts, a.rounds, swap=True)
     revs = revisions(checkouts)
     med = {name: {k: sorted(r[k] for r in runs)[len(runs) // 2] for k in KEYS}
            for name, runs in got.items()}

@@ -87,6 +87,9 @@ def test_a_workloads_capture_delta_is_the_difference_of_two_engine_snapshots(tmp
     assert d["gpu_s"] == pytest.approx(want) and d["gpu_share"] == pytest.approx(want / 100.0)
     assert d["finish_device_s"] == pytest.approx(final["finish_device_s"]) and d["stream_direct_device_s"] == pytest.approx(1.0)
     assert d["host_s"] == pytest.approx(sum(final["step_host_s"].values()) / 2)
+    assert d["host_parts"] == {k: pytest.approx(v / 2, abs=1e-4) for k, v in final["step_host_s"].items()}
+    batches = {"finish_batch_times": {"n": 40}}
+    assert overhead.capture_delta(batches, {"finish_batch_times": {"n": 52}}, 1.0)["finish_batches"] == 12
     assert d["stored"] == 100 and d["dropped"] == {"queue_full": 2, "shutdown": 1}
     gc_before = {"count": [300, 20, 3], "total_s": [0.1, 0.05, 1.5], "max_s": [0.004, 0.03, 0.6]}
     gc_after = {"count": [340, 23, 4], "total_s": [0.12, 0.06, 1.62], "max_s": [0.004, 0.03, 0.6]}
@@ -124,3 +127,26 @@ def test_the_report_merges_the_phase_files_in_the_issues_schema(tmp_path):
     assert online["tpot_p50_ratio"]["default"] == pytest.approx(med["default"] / med["off"])
     assert json.loads((tmp_path / "overhead.json").read_text())["workloads"]["mixed"]["ratios"] == doc["workloads"]["mixed"]["ratios"]
     assert (tmp_path / "overhead.png").stat().st_size > 10_000 and "| mixed |" in (tmp_path / "overhead-table.md").read_text()
+
+
+def test_a_merged_phase_file_pairs_each_cell_with_the_capture_off_run_of_its_own_call(tmp_path):
+    """Cells merged from two calls (two machines): each ratio against its own call's capture off, and the table
+    names each cell's machine."""
+    import json
+    import shutil
+
+    for name in ("phase-off.json", "phase-default.json", "phase-all.json"):
+        shutil.copy(RUN28 / name, tmp_path / name)
+    phases = {p: json.loads((tmp_path / f"phase-{p}.json").read_text()) for p in ("off", "default", "all")}
+    a = phases["all"]
+    own_off = {"output_tokens_per_s": 2 * phases["off"]["runs"]["mixed"]["output_tokens_per_s"]}
+    a["runs"]["mixed"] |= {"off": own_off, "gpu": "GPU 0: NVIDIA H200 (UUID: GPU-2db2aa07-65b0)", "date": "2026-12-02"}
+    (tmp_path / "phase-all.json").write_text(json.dumps(a))
+    doc = overhead.report(tmp_path)
+    mixed = doc["workloads"]["mixed"]["ratios"]
+    assert mixed["all_layers"] == pytest.approx(a["runs"]["mixed"]["output_tokens_per_s"] / own_off["output_tokens_per_s"])
+    assert mixed["default"] == pytest.approx(phases["default"]["runs"]["mixed"]["output_tokens_per_s"]
+                                             / phases["off"]["runs"]["mixed"]["output_tokens_per_s"])
+    rows = {line.split(" | ")[0].strip("| "): line for line in (tmp_path / "overhead-table.md").read_text().splitlines()}
+    assert "all layers: H200 GPU-2db2aa07, 2026-12-02" in rows["mixed"] and "default: " in rows["mixed"]
+    assert "GPU-2db2aa07" not in rows["8k+128"] and "; " not in rows["8k+128"]
