@@ -237,6 +237,9 @@ class CaptureEngine:
         held = hold_counts()
         if held is not None:  # vLLM's scheduler of this process holds finished requests' blocks (attn_otel.hold)
             snap["block_hold"] = held
+        steady = getattr(self, "steady", None)  # (set by the adapter; the step counter's members, attn_otel.steady)
+        if steady is not None:
+            snap.update(steady_joins=steady.joins, steady_kept=steady.kept)
         st = self.stream
         if st is not None:
             snap.update(streamed_layers=sorted(self.streamed), stream_rows=st.rows, stream_flushes=st.flushes,

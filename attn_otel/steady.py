@@ -10,8 +10,12 @@ true counts are its record's plus the steps since it joined (``epoch - joined``)
 only where something reads them, and the host's per-step work on members is a few set operations.  A request
 joins after a step it took through the ordinary path with one token (not planned for maps: the map tap points
 its rows a block at a time from the items); it leaves (its counts applied) the step it is not scheduled, is
-scheduled with more than one token, is given new blocks, or would write the first token of a block (the step
-the stream records the block's writer, and the block guards look at it), and when it finishes or is preempted.
+scheduled with more than one token, is given new blocks in a step its token does not start one, or would write
+the first token of a block it was not given that step; and when it finishes or is preempted.  A member whose token
+starts a block that the step gives it (the common case: every decoder crosses a block every ``block_size`` steps,
+and requests of one length all cross in the same step) stays: the split lists it in ``crossed``, and the adapter
+extends its block table, records the block's writer and guards the block for it in one pass, instead of walking it
+through the tracker, the stream's schedule, the map tap and the guards one by one.
 vLLM-free: the adapter feeds it the scheduler's output."""
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ class Steady:
         self._m: dict[str, list] = {}
         self._cross: dict[int, list[str]] = {}  # epoch -> members whose token of that step starts a block
         self.joins = 0
+        self.kept = 0  # members kept across a block boundary (Steady.keep)
         self.back: list[int] = []  # indices (in its ``ids``) of the members the last split sent back
+        self.crossed: list[int] = []  # indices of the members whose token of the step starts a block it is given
         self.due = False  # a split was made and its bump not yet (see Steady.bump)
 
     def __len__(self) -> int:
@@ -82,6 +88,7 @@ class Steady:
         e1 = self.epoch + 1
         crossing = self._cross.pop(e1, ())
         self.back = []
+        self.crossed = []
         self.due = True
         if not m:
             return list(range(len(ids)))
@@ -89,22 +96,53 @@ class Steady:
         if len(ids) - len(outside) != len(m):  # a member not scheduled this step (it waits, or a step of new
             for r in m.keys() - set(ids):  # requests only)
                 self.leave(r)
-        others = [r for r in crossing if r in m and m[r][3] == e1]
-        others += outside
-        if others:
+        cross = list(dict.fromkeys(r for r in crossing if r in m and m[r][3] == e1))  # (once each: see keep)
+        if cross or outside:
             pos = dict(zip(ids, range(len(ids))))
-            picks = set(map(pos.__getitem__, others))
+            picks = set(map(pos.__getitem__, outside))
         else:
             picks = set()
+        stay = []
+        for r in cross:  # its token starts a block: it stays where the step gives it that block, one token
+            i = pos[r]
+            if new_blocks[i] is not None and (ones or scheduled.get(r) == 1):
+                stay.append(i)
+            else:
+                picks.add(i)
         given = len(new_blocks) - new_blocks.count(None)  # requests given new blocks: found among those above,
-        if given and sum(new_blocks[i] is not None for i in picks) != given:  # else looked for
-            picks.update(compress(range(len(ids)), map(is_not, new_blocks, repeat(None))))
+        if given and sum(new_blocks[i] is not None for i in picks) + len(stay) != given:  # else looked for
+            staying = set(stay)
+            picks.update(i for i in compress(range(len(ids)), map(is_not, new_blocks, repeat(None)))
+                         if i not in staying)
         if not ones:
             picks.update(i for i, r in enumerate(ids) if scheduled.get(r) != 1)
+        self.crossed = stay
         self.back = [i for i in picks if ids[i] in m]  # members back to the ordinary path
         for i in self.back:
             self.leave(ids[i])
         return sorted(picks)
+
+    def keep(self, req_ids: Sequence[str]) -> list[list]:
+        """The members of :attr:`crossed` (by id) stay: each one's counts applied (the tracked record's ``written``
+        and the stream record's position are then this step's first position), its next crossing a block on.
+        Returns each one's ``[joined epoch, tracked, stream record, crossing epoch]``; :meth:`leave` still sends
+        one back after."""
+        m_of, e, bs = self._m.__getitem__, self.epoch, self.block_size
+        out = list(map(m_of, req_ids))
+        for m in out:  # (Steady._apply, inline: this runs for every member the step's tokens take into a block)
+            d = e - m[0]
+            if d:
+                m[1].written += d
+                live = m[2]
+                if live is not None:
+                    live.count += d
+                    live.next += d
+                m[0] = e
+            m[3] += bs
+        if out:
+            self._cross.setdefault(out[0][3], []).extend(req_ids)  # (they all crossed this step: one epoch on)
+            self.kept += len(out)
+        return out
 
     def bump(self) -> None:
         """Every member took one token this step (after the stream counted the step's other rows).  Where the

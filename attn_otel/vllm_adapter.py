@@ -1501,10 +1501,16 @@ def _track(runner, engine, so, t0: float) -> None:
     resumed = getattr(cached, "resumed_req_ids", None) or set()
     update, new_blocks, computed = tracker.update, cached.new_block_ids, cached.num_computed_tokens
     ids = cached.req_ids
+    crossed_writes = None  # the blocks the step counter's members start this step (_steady_cross), to guard
     total = getattr(so, "total_num_scheduled_tokens", None)  # every token of the forward, captured or not
     if steady is not None:  # the requests that take a token into a block they hold are counted at once, below
         ones = total is not None and int(total) - sum(it[3] for it in items) == len(ids)
         picks = steady.split(ids, new_blocks, ones, scheduled)
+        if steady.crossed:  # members whose token starts a block the step gives them: they stay, in one pass
+            crossed_writes, back = _steady_cross(engine, steady, stream, ids, new_blocks, computed, resumed,
+                                                 fresh if holding else None)
+            if back:
+                picks = sorted(set(picks).union(back))
         if steady.back:  # vLLM's position of each must be the one the counter reached (else: counted, never raised)
             _steady_drift(engine, tracker, steady.back, ids, computed)
     else:
@@ -1543,9 +1549,52 @@ def _track(runner, engine, so, t0: float) -> None:
     if maptap is not None:
         maptap.schedule(items)
     side.guard_items(items, engine.block_sizes)  # where this forward writes blocks capture work still reads
+    if crossed_writes:
+        side.guard(crossed_writes)
     if steady is not None:
         _steady_step(steady, stream, items)
     parts["schedule"] += time.perf_counter() - t2
+
+
+def _steady_cross(engine, steady, stream, ids, new_blocks, computed, resumed, fresh) -> tuple[dict, list[int]]:
+    """The step counter's members whose token this step starts a block that the step gives them
+    (``steady.crossed``) stay members: what the ordinary path would do for each, done in one pass.  Each one's
+    counts are applied (:meth:`Steady.keep`), its tracked block table extended by the new blocks, the stream's
+    writer of the block its token starts set to it, and that block of each KV-cache group returned for the
+    guards (per group, as :meth:`Side.guard` takes them); the new blocks also go to ``fresh`` (the reuse rule's
+    list, None where no finished request waits).  A member whose counts do not match the scheduler's position
+    (drift), that was resumed, or whose stream record is not at that position goes back to the ordinary path:
+    returned, and in ``steady.back`` (where its drift is counted)."""
+    import numpy as np
+
+    sizes = engine.block_sizes
+    writes: dict[int, list[int]] = {}
+    owners: list[int] = []
+    owned: list[int] = []
+    back: list[int] = []
+    sg, sbs = (stream.group, stream.block_size) if stream is not None else (None, None)
+    crossed = steady.crossed
+    for i, m in zip(crossed, steady.keep([ids[i] for i in crossed])):
+        req_id = ids[i]
+        t, live = m[1], m[2]
+        start = int(computed[i])
+        if t.written != start or req_id in resumed or (live is not None and live.next != start):
+            steady.leave(req_id)
+            steady.back.append(i)
+            back.append(i)
+            continue
+        for group, extra in zip(t.block_ids, new_blocks[i]):
+            group.extend(extra)
+        for g, blocks in enumerate(t.block_ids):
+            writes.setdefault(g, []).append(blocks[start // sizes[g]])
+        if live is not None and start % sbs == 0:
+            owners.append(t.block_ids[sg][start // sbs])
+            owned.append(live.idx)
+        if fresh is not None:
+            fresh.extend(new_blocks[i])
+    if owners:
+        stream._writer[np.asarray(owners, dtype=np.int64)] = np.asarray(owned, dtype=np.int64)
+    return {g: [np.asarray(b, dtype=np.int64)] for g, b in writes.items()}, back
 
 
 def _steady_drift(engine, tracker, back: list[int], ids, computed) -> None:

@@ -195,7 +195,8 @@ def measure(live: int, steps: int, device: str, seed: int = 0, steady: bool | No
     if keep:
         snap_keep = {"finished": kept, "metrics": stream.metrics.float().cpu().clone(),
                      "steady_drift": getattr(engine.stats, "steady_drift", 0),
-                     "joins": getattr(engine.steady, "joins", 0) if getattr(engine, "steady", None) else 0}
+                     "joins": getattr(engine.steady, "joins", 0) if getattr(engine, "steady", None) else 0,
+                     "kept": getattr(engine.steady, "kept", 0) if getattr(engine, "steady", None) else 0}
     snap = {"captured": engine.stats.captured, "dropped": dict(engine.stats.dropped),
             "ring_drifts": stream.counter.drifts, "flushes": stream.flushes}
     engine.close()

@@ -150,6 +150,7 @@ def test_streamed_engine_ran_every_path(streamed_run):
     assert stats["captured"] == len(res["runs"]) + 2 and stats["dropped"] == {}, stats
     assert stats["stream_ring_drifts"] == 0  # the device's ring-row counter kept to the host's count
     assert stats["steady_drift"] == 0  # requests back from the step counter (attn_otel.steady) where vLLM had them
+    assert stats["steady_joins"] > 0 and stats["steady_kept"] > 0  # and kept across blocks vLLM gave them
     # work no forward waited for ran after the forwards' launches, and (ATTN_OTEL_AFTER_LAUNCH=output) after the
     # engine core took each step's output: elsewhere only before the first step's output was taken
     assert stats["step_host_s"]["after_launch"] > 0, stats["step_host_s"]

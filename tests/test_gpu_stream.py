@@ -82,7 +82,8 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
                "stream_direct_rows": engine.stream.direct.computed, "stream_direct_replayed": engine.stream.direct.replayed,
                "stream_direct_side_steps": engine.stream.direct.side_steps,
                "blocks": _blocks(), "stats": stats,
-               "steady_joins": None if engine.steady is None else engine.steady.joins}
+               "steady_joins": None if engine.steady is None else engine.steady.joins,
+               "steady_kept": None if engine.steady is None else engine.steady.kept}
     snap = engine.stats_snapshot()  # CUDA-event device times (attn_otel.timing.DeviceTimer), read once completed
     results["device_s"] = {k: snap[k] for k in ("stream_device_s", "stream_direct_device_s", "finish_device_s")}
     rows = Calibrated()  # per-row metrics (ATTN_OTEL_GPU_ROWS=all)
@@ -130,6 +131,7 @@ def test_gpu_streamed_layers_match_hf_eager(stream_engine, gpu_model):  # noqa: 
     assert stats["captured"] == len(runs) and stats["dropped"] == {}, stats
     assert stats["steady_drift"] == 0  # requests back from the step counter (attn_otel.steady) where vLLM had them
     assert os.environ.get("ATTN_OTEL_STEADY", "1") == "0" or engine.steady.joins > 0  # the counter did count
+    assert os.environ.get("ATTN_OTEL_STEADY", "1") == "0" or engine.steady.kept > 0  # and kept members across blocks
     # vLLM's execute_model returned to attn-otel with work left for after the forward's launch (finish batches)
     assert stats["step_host_s"]["after_launch"] > 0, stats["step_host_s"]
     assert results["prefix_cached_tokens"] >= 200
