@@ -127,17 +127,10 @@ class Steady:
         and the stream record's position are then this step's first position), its next crossing a block on.
         Returns each one's ``[joined epoch, tracked, stream record, crossing epoch]``; :meth:`leave` still sends
         one back after."""
-        m_of, e, bs = self._m.__getitem__, self.epoch, self.block_size
-        out = list(map(m_of, req_ids))
-        for m in out:  # (Steady._apply, inline: this runs for every member the step's tokens take into a block)
-            d = e - m[0]
-            if d:
-                m[1].written += d
-                live = m[2]
-                if live is not None:
-                    live.count += d
-                    live.next += d
-                m[0] = e
+        apply, e, bs = self._apply, self.epoch, self.block_size
+        out = list(map(self._m.__getitem__, req_ids))
+        for m in out:
+            apply(m, e)
             m[3] += bs
         if out:
             self._cross.setdefault(out[0][3], []).extend(req_ids)  # (they all crossed this step: one epoch on)
