@@ -46,6 +46,18 @@ from .writers import WriterPool
 logger = logging.getLogger("attn_otel")
 
 
+def cuda_alloc_stats(device: torch.device) -> dict[str, int]:
+    """The caching allocator's counters for ``device`` (all of the process's allocations, vLLM's included):
+    cudaMalloc and cudaFree calls, retries after a failed cudaMalloc (a device sync and the cache freed), and
+    the bytes reserved now and at the peak."""
+    m = torch.cuda.memory_stats(device)
+    return {"device_allocs": int(m.get("num_device_alloc", 0)), "device_frees": int(m.get("num_device_free", 0)),
+            "alloc_retries": int(m.get("num_alloc_retries", 0)),
+            "sync_all_streams": int(m.get("num_sync_all_streams", 0)),
+            "reserved_bytes": int(m.get("reserved_bytes.all.current", 0)),
+            "reserved_peak_bytes": int(m.get("reserved_bytes.all.peak", 0))}
+
+
 class CaptureEngine:
     """Owns the tap, turns finished requests into captures, and hands them to the writers."""
 
@@ -234,6 +246,8 @@ class CaptureEngine:
                     side_stream_waits=self.side.waits, side_stream_wait_causes=dict(self.side.wait_causes),
                     upload_ring_waits=ring_waits(), fused_kv_layers=self.fused_kv_layers)
         snap["gc_pauses"] = self.gc.snapshot()
+        if self.device.type == "cuda":  # the caching allocator's trips to the driver: each cudaFree syncs the device
+            snap["cuda_alloc"] = cuda_alloc_stats(self.device)
         held = hold_counts()
         if held is not None:  # vLLM's scheduler of this process holds finished requests' blocks (attn_otel.hold)
             snap["block_hold"] = held

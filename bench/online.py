@@ -96,8 +96,11 @@ class HostProfile:
             print("[host profile] no engine-core process found; not profiled", flush=True)
         if pid is not None:
             which = "--gil" if os.environ.get("BENCH_PYSPY_GIL") == "1" else "--idle"
-            self.spy = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", which, "--nonblocking",
-                                         "--rate", str(self.rate), "--format", "raw", "--output", str(self.path)],
+            # BENCH_PYSPY_NATIVE=1: C/C++ frames too (py-spy then pauses the process at each sample: 50 Hz)
+            native = os.environ.get("BENCH_PYSPY_NATIVE") == "1"
+            how = ["--native", "--rate", "50"] if native else ["--nonblocking", "--rate", str(self.rate)]
+            self.spy = subprocess.Popen([exe, "record", "--pid", str(pid), "--threads", which, *how,
+                                         "--format", "raw", "--output", str(self.path)],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             time.sleep(1.0)
             if self.spy.poll() is not None:

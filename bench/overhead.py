@@ -23,9 +23,10 @@ Phases can run in separate calls (results go to DIR/phase-*.json and DIR/online-
 ``--report``.
 
 Where the online latency goes: ``BENCH_PYSPY=/path/to/py-spy`` samples the server's engine-core process
-during the measured runs (DIR/pyspy-online-PHASE.txt; offline, DIR/pyspy-PHASE-WORKLOAD.txt;
-``bench/host_profile.py`` summarises it; ``BENCH_PYSPY_GIL=1``: only the thread holding the GIL), and
-``--capacity REQ_S`` loads at 80% of a capacity measured before instead of measuring it again:
+during the measured runs (DIR/pyspy-online-PHASE.txt; offline, DIR/pyspy-PHASE-WORKLOAD.txt with ``+`` as ``_``;
+``bench/host_profile.py`` summarises it; ``BENCH_PYSPY_GIL=1``: only the thread holding the GIL;
+``BENCH_PYSPY_NATIVE=1``: C frames too), and ``--capacity REQ_S`` loads at 80% of a capacity measured before
+instead of measuring it again:
 
     BENCH_PYSPY=/tmp/pyspy/bin/py-spy python3 bench/overhead.py --online off --online default --capacity 39.47 --out DIR
     python3 bench/host_profile.py DIR/pyspy-online-default.txt --match attn_otel
@@ -276,7 +277,8 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str], warm_runs: in
             time.sleep(STATS_WAIT_S)
             marks.append(_latest_stats(stats_dir) if PHASE_ENV[phase] else {})
 
-        with online.HostProfile(os.getpid(), out / f"pyspy-{phase}-{wl}.txt"):  # with BENCH_PYSPY set
+        with online.HostProfile(os.getpid(), out / f"pyspy-{phase}-{wl.replace('+', '_')}.txt"):  # BENCH_PYSPY set
+            # ("+" out of the name: the device tool brings back no file whose name has one)
             for s in range(repeats):
                 if per_run:
                     mark()
