@@ -106,3 +106,23 @@ def test_against_capture_off_splits_the_main_thread_four_ways(tmp_path, capsys):
     row = next(line for line in out.splitlines() if line.startswith("attn-otel's own code"))
     assert row.split()[-3:] == ["17.0%", "0.0%", "+17.0"]
     assert host_profile.main([str(on), "--against", str(tmp_path / "none.txt")]) == 2
+
+
+def test_the_samplers_blocked_gemm_launch_is_a_wait_of_its_own_not_vllms_code(tmp_path, capsys):
+    """The lm_head GEMM's launch as a sample's own frame (run 49: 0.5% of one capture-off engine's loop, 10.5% of
+    the next's, its synchronize shorter by as much) is its own row, out of vLLM's code; the GEMM's frame under
+    anything else (a forward's) stays vLLM's."""
+    gemm = ("thread (0x1): MainThread;loop (vllm/v1/engine/core.py:1);sample_tokens (vllm/v1/worker/gpu/model_runner."
+            "py:2);LlamaForCausalLM.compute_logits (vllm/model_executor/models/llama.py:3);default_unquantized_gemm "
+            "(vllm/model_executor/layers/utils.py:98) 25\n"
+            "thread (0x1);loop (vllm/v1/engine/core.py:1);forward (vllm/model_executor/models/llama.py:9);"
+            "default_unquantized_gemm (vllm/model_executor/layers/utils.py:98) 5\n")
+    on, off = tmp_path / "on.txt", tmp_path / "off.txt"
+    on.write_text(OFF + gemm)
+    off.write_text(OFF)
+    split = host_profile.main_split(host_profile.parse(on))
+    assert split["samples"] == 130 and split["launch_wait"] == 25 / 130 and split["gpu_wait"] == 20 / 130
+    assert abs(split["vllm"] - 75 / 130) < 1e-12 and split["attn_otel"] == 0.0
+    assert host_profile.main([str(on), "--against", str(off)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "lm_head GEMM" in line)
+    assert row.split()[-3:] == ["19.2%", "0.0%", "+19.2"]
