@@ -127,8 +127,9 @@ def own_shares(threads: dict, package: str = "attn_otel/") -> dict:
 
 
 def main_split(threads: dict) -> dict:
-    """The main thread's samples split four ways (shares): ``gpu_wait`` (a CUDA ``synchronize`` outside
-    attn-otel's frames), ``request_wait`` (vLLM's loop waiting for requests: ``_process_input_queue``),
+    """The main thread's samples split five ways (shares): ``gpu_wait`` (a CUDA ``synchronize`` outside
+    attn-otel's frames), ``launch_wait`` (the sampler's blocked lm_head GEMM launch: :func:`_blocked_launch`),
+    ``request_wait`` (vLLM's loop waiting for requests: ``_process_input_queue``),
     ``attn_otel`` (its own code, as :func:`own_shares` counts it) and ``vllm`` (the rest: vLLM's, torch's and
     Triton's host code)."""
     own = own_shares(threads)
@@ -145,7 +146,7 @@ def main_split(threads: dict) -> dict:
 def _blocked_launch(frames: list[str]) -> bool:
     """The sampler's first launch after the forward, the lm_head GEMM (``compute_logits``), as the sample's
     own frame: a launch that holds the host until the GPU has run ahead, not vLLM's Python.  Run 49 on one H200
-    found it at 0.5% of the loop in one capture-off engine and 10.5% in the next, with the step's synchronize
+    found it at 0.5% of the loop in one capture-off engine and 10.4% in the next, with the step's synchronize
     shorter by about as much: it moves where the loop waits for the GPU, capture on or off, not how long."""
     return bool(frames) and _is(frames[-1], "default_unquantized_gemm", "vllm/") and any(
         _is(f, "compute_logits", "vllm/") for f in frames)

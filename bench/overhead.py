@@ -102,8 +102,8 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              "all-side": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all", "ATTN_OTEL_DIRECT_STREAM": "side"},
              "all-engine": {"ATTN_OTEL": "1", "ATTN_OTEL_LAYERS": "all", "ATTN_OTEL_DIRECT_STREAM": "engine"},
              # the work after the launch after the step's sampler is enqueued, or after the engine core took the
-             # step's output (run 49's profile: with it as execute_model returns, the sampler's first launch, the
-             # lm_head GEMM, held the engine loop 10% of its time against 0.5% with capture off)
+             # step's output, against the default's as execute_model returns (run 49: x0.993 / x0.987 against
+             # x0.986, within the runs' spread; ab-2026-12-03.json)
              "default-sample": {"ATTN_OTEL": "1", "ATTN_OTEL_AFTER_LAUNCH": "sample"},
              "default-output": {"ATTN_OTEL": "1", "ATTN_OTEL_AFTER_LAUNCH": "output"}}
 EXTRA_ENV: dict[str, str] = {}  # --env: one switch on top of every phase that captures (an A/B on one machine)

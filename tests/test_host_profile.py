@@ -109,7 +109,7 @@ def test_against_capture_off_splits_the_main_thread_four_ways(tmp_path, capsys):
 
 
 def test_the_samplers_blocked_gemm_launch_is_a_wait_of_its_own_not_vllms_code(tmp_path, capsys):
-    """The lm_head GEMM's launch as a sample's own frame (run 49: 0.5% of one capture-off engine's loop, 10.5% of
+    """The lm_head GEMM's launch as a sample's own frame (run 49: 0.5% of one capture-off engine's loop, 10.4% of
     the next's, its synchronize shorter by as much) is its own row, out of vLLM's code; the GEMM's frame under
     anything else (a forward's) stays vLLM's."""
     gemm = ("thread (0x1): MainThread;loop (vllm/v1/engine/core.py:1);sample_tokens (vllm/v1/worker/gpu/model_runner."
