@@ -933,7 +933,8 @@ def _heads_per_program(hq: int, hkv: int) -> tuple[int, int]:
 # 2 x 8192 alone.  Launches by key slot (taps, a flush with images) keep 128 x 128, the H100 sweep's choice (run 10
 # of docs/benchmarks/history.md): there 64 x 64 took x1.5 its time.  (Per-shape configurations were measured
 # slower in the serving benchmark, run 9: a flush launch mixes requests of every length, and each configuration
-# is another compiled kernel.)  Settable here for the sweep (both paths).
+# is another compiled kernel.)  Settable here for the sweep (both paths), and ``maxnreg`` (a
+# register cap a thread, for the occupancy it buys) beside them.
 CONFIG: dict[str, int] = {}
 
 
@@ -1075,7 +1076,8 @@ def _launch(q, q_rows, cu_rows, first, key_cache, key_slots, cu_keys, prompt_len
                        HAS_SINKS=terms is not None and terms.sinks is not None, **at, PAGED=bool(paged),
                        PBS_IS_BS=by_block,
                        HG=hg, D=split[0],
-                       D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+                       D2=split[1], BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                       **({"maxnreg": int(CONFIG["maxnreg"])} if "maxnreg" in CONFIG else {}))
 
 
 def row_metrics(q: torch.Tensor, k: torch.Tensor, scale: float, prompt_len: int, sink_tokens: int = 4,

@@ -2,7 +2,8 @@
 
 Llama-3-8B attention shape (32 query heads, 8 KV heads, head_dim 128, bf16), keys in a FLASH_ATTN-layout
 paged cache (block size 16), random data.  Times one launch (one layer) per shape with CUDA events and
-reports milliseconds and the (row, key, head) evaluations per second; ``--sweep`` tries launch
+reports milliseconds and the (row, key, head) evaluations per second, and each compiled variant's registers a
+thread and spills (``compiled``: what sets its occupancy); ``--sweep`` tries launch
 configurations (rows per program, keys per tile, warps, stages); ``--module PATH`` times another copy of
 ``attn_otel/triton_metrics.py`` (an earlier kernel) for comparison; ``--attention`` also times the attention of
 the prefill shapes (square, causal) with torch's SDPA on the same device, the metric kernel's cost against the
@@ -127,6 +128,24 @@ def _load(path: str | None):
     return mod
 
 
+def _compiled(mod) -> list[dict]:
+    """The metric kernel's compiled variants so far in ``mod``: registers a thread, spilled registers, shared
+    memory, warps and stages of each (what sets the kernel's occupancy), from Triton's per-device cache."""
+    out = []
+    for cache in getattr(mod._row_metrics, "device_caches", {}).values():
+        kernels = cache[0] if isinstance(cache, tuple) else cache
+        for k in list(kernels.values()):
+            try:
+                k._init_handles()
+            except Exception:  # noqa: BLE001 - a Triton without the lazy loader: the fields are set already
+                pass
+            md = getattr(k, "metadata", None)
+            out.append({"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                        "shared": getattr(md, "shared", None), "num_warps": getattr(md, "num_warps", None),
+                        "num_stages": getattr(md, "num_stages", None)})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true")
@@ -146,13 +165,14 @@ def main(argv=None) -> int:
     results = {"device": torch.cuda.get_device_name(0), "gpu": f"GPU-{uuid}" if uuid else "",
                "shapes": {k: list(v) for k, v in SHAPES.items()}, "keys": "blocks" if args.paged else "slots",
                "runs": []}
-    mods = [("current", None)] + [(Path(m).name, m) for m in args.module]
+    mods = [("current", None)] + [(f"{Path(m).parent.name}/{Path(m).name}", m) for m in args.module]
     configs = [{}]
     if args.sweep:
         configs += [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
                     for m, n, w, s in itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3])]
     if args.configs:
         configs += json.loads(args.configs)
+    compiled: dict[str, list] = {}
     for label, path in mods:
         mod = _load(path)
         for cfg in (configs if path is None else [{}]):
@@ -167,8 +187,12 @@ def main(argv=None) -> int:
                     row["g_evals_per_s"][name] = evals / ms / 1e6
             except Exception as e:  # noqa: BLE001 - a configuration that does not compile
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            seen = len(compiled.setdefault(label, []))
+            compiled[label] = _compiled(mod)
+            row["compiled"] = compiled[label][seen:]  # the variants this configuration compiled
             results["runs"].append(row)
-            print(label, cfg, {k: round(v, 3) for k, v in row["ms"].items()}, row.get("error", ""), flush=True)
+            print(label, cfg, {k: round(v, 3) for k, v in row["ms"].items()}, row.get("error", ""),
+                  [(c["n_regs"], c["n_spills"]) for c in row["compiled"]], flush=True)
     ok = [r for r in results["runs"] if r["kernel"] == "current" and "error" not in r]
     if ok:
         best = min(ok, key=lambda r: sum(r["ms"].values()))
