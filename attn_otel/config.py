@@ -159,6 +159,13 @@ batch (:mod:`attn_otel.deferred`): it is done sooner where vLLM gives one of the
 request, where the engine goes idle, for a request planned for maps, or at 64 waiting.  ``0``: in the step the
 request finishes.  Default ``16``."""
 
+ATTN_OTEL_FINISH_BATCH_CHUNK = "ATTN_OTEL_FINISH_BATCH_CHUNK"
+"""Requests a finish batch takes where only their count (64 waiting) makes it due: the oldest this many, the
+others in a later step (:mod:`attn_otel.deferred`), so that requests finishing together as the batch empties,
+where the forwards are short, do not hold the engine loop past a forward.  Every other reason (a block given
+out again, the engine going idle, maps, age) takes them all.  ``0``: all of them, as up to 2026-12-03.
+Default ``32``."""
+
 ATTN_OTEL_WRITER_TIMEOUT_S = "ATTN_OTEL_WRITER_TIMEOUT_S"
 """Seconds a writer process may take to answer for one capture before it is killed (the capture counted
 as ``store_error``) and a fresh one started for the next capture.  ``0`` (default): 12 S3 timeouts plus a
@@ -371,6 +378,7 @@ class Config:
     gil_switch_ms: float = 0.2
     event_wait: str = "sleep"
     finish_batch_steps: int = 16
+    finish_batch_chunk: int = 32
     after_launch: bool = True
     # where work after the launch runs (ATTN_OTEL_AFTER_LAUNCH): "execute", as vLLM's execute_model returns (the
     # forward enqueued); "sample", after the step's sample_tokens (the sampler enqueued too); "output", after the
@@ -418,6 +426,8 @@ class Config:
         values["event_wait"] = _choice(env, ATTN_OTEL_EVENT_WAIT, ("sleep", "spin"), d.event_wait)
         values["finish_batch_steps"] = _number(env, ATTN_OTEL_FINISH_BATCH_STEPS, d.finish_batch_steps, int, 0,
                                                1024)
+        values["finish_batch_chunk"] = _number(env, ATTN_OTEL_FINISH_BATCH_CHUNK, d.finish_batch_chunk, int, 0,
+                                               1 << 20)
         at = _choice(env, ATTN_OTEL_AFTER_LAUNCH, ("0", "1", "sample", "output"), "1")
         values["after_launch"] = at != "0"
         values["after_launch_at"] = at if at in ("sample", "output") else "execute"

@@ -13,6 +13,13 @@ and says when they must be taken (:meth:`DeferredFinish.due`):
 * one of them was planned for maps (the map tap's fixed rows are needed back soon), or there are
   ``max_requests`` of them, or the oldest has waited ``max_steps`` steps.
 
+Where only the count says so (``max_requests`` held, none of the others), :meth:`DeferredFinish.take` takes the
+oldest ``chunk`` of them and leaves the rest for a later step: lock-stepped requests (a fixed-length workload,
+a burst) finish in groups in a few steps as the batch empties, where a step's forward is short, and a batch of
+64 held the engine loop past it (run 50's profile of 512+256: the GPU idle 5-12 ms before and in each of the
+tail's steps that took one, most of the default's idle time).  Half a batch a step fits in the forward's
+shadow; every other rule takes them all (the reuse rule must, before the forward).
+
 Taking them all at once costs each step's fixed work (uploads, launches, the flush's bookkeeping) once per
 batch, not once per step that finishes a request (docs/benchmarks/history.md, run 19: the finish work was 5% of
 vLLM's engine-loop time under online load).  vLLM-free: the adapter feeds it block ids.
@@ -27,9 +34,10 @@ import numpy as np
 
 
 class DeferredFinish:
-    def __init__(self, max_steps: int = 16, max_requests: int = 64) -> None:
+    def __init__(self, max_steps: int = 16, max_requests: int = 64, chunk: int = 0) -> None:
         self.max_steps = int(max_steps)
         self.max_requests = int(max_requests)
+        self.chunk = int(chunk)  # requests a batch due by count alone takes (0: all)
         self.req_ids: list[str] = []  # every finished id of the steps held (the per-id cleanups take them)
         self.finished: list[Any] = []  # their FinishedRequest records (the ones with a capture to make)
         self.maps = False  # one of them was planned for maps
@@ -38,6 +46,7 @@ class DeferredFinish:
         self.batches = 0  # batches taken (stats)
         self.reason = ""  # why the last due() said yes: idle, maps, count, age or reuse (stats)
         self.reused = False  # whether the last due() found a held block among the step's (whatever its reason)
+        self.limit: int | None = None  # what the batch due() said yes to may take (None: everything held)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -62,6 +71,7 @@ class DeferredFinish:
         this step's requests may write that no earlier step gave them (an array, or lists of them);
         ``idle``: the step schedules no token."""
         self.reused = False
+        self.limit = None
         if not self.req_ids:
             return False
         self._age += 1
@@ -74,6 +84,8 @@ class DeferredFinish:
             self.reason = "maps"
         elif len(self.finished) >= self.max_requests:
             self.reason = "count"
+            if not self.reused and 0 < self.chunk < len(self.finished):
+                self.limit = self.chunk
         elif self._age > self.max_steps:
             self.reason = "age"
         elif self.reused:
@@ -82,8 +94,19 @@ class DeferredFinish:
             return False
         return True
 
-    def take(self) -> tuple[list[str], list[Any]]:
-        """Everything held, in finishing order; the blocks are no longer marked."""
+    def take(self, limit: int | None = None) -> tuple[list[str], list[Any]]:
+        """Everything held, in finishing order; the blocks are no longer marked.  ``limit`` (what :meth:`due`
+        left in ``self.limit``): only the oldest ``limit`` records (each with a ``request_id``) and every id
+        without a record; the others stay held, their blocks marked, the clock running from the oldest."""
+        if limit is not None and 0 < limit < len(self.finished):
+            now, rest = self.finished[:limit], self.finished[limit:]
+            later = {f.request_id for f in rest}
+            ids = [r for r in self.req_ids if r not in later]
+            self.req_ids = [r for r in self.req_ids if r in later]
+            self.finished = rest
+            self._held = set(itertools.chain.from_iterable(b for f in rest for b in f.block_ids))
+            self.batches += 1
+            return ids, now
         ids, finished = self.req_ids, self.finished
         self._held.clear()
         self.req_ids, self.finished, self.maps = [], [], False

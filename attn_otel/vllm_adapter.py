@@ -1013,7 +1013,7 @@ def _install(runner, kv_cache_config) -> None:
                            attrs={"attention_impl": backend, "layer_kinds": _layer_kinds(runner, specs)}, parallel=par, stream=stream, map_layers=maps,
                            map_tap_rows=_map_tap_rows(config), block_sizes=block_sizes)
     engine.tracker = RequestTracker()
-    engine.deferred = DeferredFinish(config.finish_batch_steps)
+    engine.deferred = DeferredFinish(config.finish_batch_steps, chunk=config.finish_batch_chunk)
     engine.after_launch = None  # (ids, records) of a finish batch left for after the forward's launch
     engine.shadow = None
     engine.steady = None
@@ -1535,7 +1535,7 @@ def _track(runner, engine, so, t0: float) -> None:
     deferred.add(so.finished_req_ids, finished, any(t.maps for _, t in done))
     if deferred.due(fresh, empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
-        req_ids, batch = deferred.take()
+        req_ids, batch = deferred.take(deferred.limit)
         if engine.config.after_launch and not deferred.reused:  # this forward writes none of their blocks
             engine.after_launch = (req_ids, batch)
         else:

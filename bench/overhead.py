@@ -105,7 +105,10 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              # step's output, against the default's as execute_model returns (run 49: x0.993 / x0.987 against
              # x0.986, within the runs' spread; ab-2026-12-03.json)
              "default-sample": {"ATTN_OTEL": "1", "ATTN_OTEL_AFTER_LAUNCH": "sample"},
-             "default-output": {"ATTN_OTEL": "1", "ATTN_OTEL_AFTER_LAUNCH": "output"}}
+             "default-output": {"ATTN_OTEL": "1", "ATTN_OTEL_AFTER_LAUNCH": "output"},
+             # a finish batch due by its count (64 waiting) takes all of them, as up to 2026-12-03, against the
+             # default's oldest 32 (run 50's profile: the batches of 64 held the loop past the tail's short forwards)
+             "default-chunk0": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_CHUNK": "0"}}
 EXTRA_ENV: dict[str, str] = {}  # --env: one switch on top of every phase that captures (an A/B on one machine)
 
 

@@ -91,3 +91,42 @@ def test_a_held_block_given_out_again_is_seen_whatever_rule_takes_the_batch():
     assert d.due(np.asarray([4, 9]), idle=False) and d.reason == "age" and not d.reused
     d.take()
     assert not d.due(np.asarray([5]), idle=False) and not d.reused  # nothing held: nothing reused
+
+
+def rec(rid, *groups):
+    return SimpleNamespace(request_id=rid, block_ids=[list(g) for g in groups])
+
+
+def test_a_batch_due_by_count_alone_takes_the_oldest_chunk_and_keeps_the_rest_marked():
+    d = DeferredFinish(max_steps=16, max_requests=4, chunk=2)
+    d.add(["a", "warm", "b"], [rec("a", [1]), rec("b", [2, 3])])
+    assert not d.due(none(), idle=False)
+    d.add(["c", "d", "e"], [rec("c", [4]), rec("d", [5]), rec("e", [6])])
+    assert d.due(none(), idle=False) and d.reason == "count" and d.limit == 2
+    ids, taken = d.take(d.limit)
+    assert ids == ["a", "warm", "b"] and [f.request_id for f in taken] == ["a", "b"]  # ids without a record go first
+    assert len(d) == 3 and d.batches == 1
+    assert not d.due(np.array([1, 2, 3]), idle=False)  # a's and b's blocks are free to reuse
+    assert d.due(np.array([5]), idle=False) and d.reason == "reuse" and d.limit is None  # d's still marked
+    ids, taken = d.take(d.limit)
+    assert ids == ["c", "d", "e"] and len(taken) == 3 and len(d) == 0
+
+
+@pytest.mark.parametrize("why", ["idle", "maps", "age", "reuse"])
+def test_every_other_reason_takes_the_whole_batch(why):
+    d = DeferredFinish(max_steps=0 if why == "age" else 16, max_requests=2 if why != "age" else 100, chunk=1)
+    d.add(["a", "b", "c"], [rec("a", [1]), rec("b", [2]), rec("c", [3])], maps=why == "maps")
+    assert d.due(np.array([2]) if why == "reuse" else none(), idle=why == "idle")
+    assert d.limit is None and len(d.take(d.limit)[1]) == 3
+
+
+def test_a_count_batch_with_a_reused_block_takes_everything_before_the_forward():
+    d = DeferredFinish(max_requests=2, chunk=1)
+    d.add(["a", "b"], [rec("a", [1]), rec("b", [2])])
+    assert d.due(np.array([2]), idle=False) and d.reason == "count" and d.reused and d.limit is None
+
+
+def test_chunk_zero_takes_all_at_the_count():
+    d = DeferredFinish(max_requests=2)
+    d.add(["a", "b", "c"], [rec("a", [1]), rec("b", [2]), rec("c", [3])])
+    assert d.due(none(), idle=False) and d.limit is None and len(d.take(d.limit)[1]) == 3

@@ -37,6 +37,9 @@ model = sys.argv[1]
 llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
           block_size=32, num_gpu_blocks_override=int(os.environ["BLOCKS"]) or None, seed=0,
           dtype="float32", compilation_config={"mode": 0, "custom_ops": ["none"]})  # see _run
+if os.environ.get("FINISH_BATCH_MAX"):  # a count that 8 requests reach: batches taken a chunk at a time
+    (eng0,) = vllm_adapter.engines()
+    eng0.deferred.max_requests = int(os.environ["FINISH_BATCH_MAX"])
 rng = np.random.default_rng(0)
 shared = rng.integers(100, 40000, 150).tolist()
 batches = [
@@ -105,6 +108,8 @@ def _run(smollm2_path, d: Path, blocks: int, extra: dict | None = None):
 
 # the two engines' KV caches (blocks of 32 tokens; 0: vLLM's own, about 1,400)
 _BLOCKS = {"streamed_run": 20, "held_run": 0}
+# the held engine's finish batches are due at 3 waiting, and such a batch takes the oldest 2 (attn_otel.deferred)
+_EXTRA = {"held_run": {"FINISH_BATCH_MAX": "3", "ATTN_OTEL_FINISH_BATCH_CHUNK": "2"}}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +121,7 @@ def _runs(request, smollm2_path, tmp_path_factory):
 
     runs = Prefetch()
     for key in selected(request, key_of):
-        runs.start(key, _run, smollm2_path, tmp_path_factory.mktemp(key), _BLOCKS[key])
+        runs.start(key, _run, smollm2_path, tmp_path_factory.mktemp(key), _BLOCKS[key], _EXTRA.get(key))
     yield runs
     runs.close()
 
@@ -200,8 +205,10 @@ def test_held_blocks_leave_finished_rows_to_their_batch(held_run):
     assert iv["slowest_1pct"]["interval_mean"] >= iv["rest"]["interval_mean"] > iv["rest"]["attn_mean"] >= 0, iv
     gcp = stats["gc_pauses"]  # the collector ran in the engine's process while it served, and was timed
     assert sum(gcp["count"]) >= gcp["pauses"]["n"] > 0 and 0 < gcp["pauses"]["max"] <= max(gcp["max_s"]) + 1e-5, gcp
-    # the 8 requests at once finish over 21 steps: their batches took several of them each
+    # the 8 requests at once finish over 21 steps: their batches took several of them each, and where only the
+    # count (3 here) made one due it took the oldest 2 and left the rest held (_EXTRA), none of them lost
     assert stats["finish_batch_sizes"]["max"] >= 2 and res["finish_batches"] < len(res["runs"]) + 2, stats
+    assert stats["finish_batch_reasons"].get("count", 0) >= 1, stats["finish_batch_reasons"]
     assert res["free_blocks"] == res["num_blocks"] - 1, res  # all but vLLM's null block
     assert res["preempted"] == 0 and res["pending"] == 0
 
