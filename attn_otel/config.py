@@ -160,11 +160,11 @@ request, where the engine goes idle, for a request planned for maps, or at 64 wa
 request finishes.  Default ``16``."""
 
 ATTN_OTEL_FINISH_BATCH_CHUNK = "ATTN_OTEL_FINISH_BATCH_CHUNK"
-"""Requests a finish batch takes where only their count (64 waiting) makes it due: the oldest this many, the
-others in a later step (:mod:`attn_otel.deferred`), so that requests finishing together as the batch empties,
-where the forwards are short, do not hold the engine loop past a forward.  Every other reason (a block given
-out again, the engine going idle, maps, age) takes them all.  ``0``: all of them, as up to 2026-12-03.
-Default ``32``."""
+"""Requests a finish batch takes where their count (64 waiting) or a request planned for maps makes it due:
+every one planned for maps and the oldest others, this many in all, the rest in a later step
+(:mod:`attn_otel.deferred`), so that requests finishing together as the batch empties, where the forwards are
+short, do not hold the engine loop past a forward.  The other reasons (a block given out again, the engine going
+idle, age) take them all.  ``0``: all of them, as up to 2026-12-03.  Default ``32``."""
 
 ATTN_OTEL_WRITER_TIMEOUT_S = "ATTN_OTEL_WRITER_TIMEOUT_S"
 """Seconds a writer process may take to answer for one capture before it is killed (the capture counted

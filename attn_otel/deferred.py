@@ -13,12 +13,13 @@ and says when they must be taken (:meth:`DeferredFinish.due`):
 * one of them was planned for maps (the map tap's fixed rows are needed back soon), or there are
   ``max_requests`` of them, or the oldest has waited ``max_steps`` steps.
 
-Where only the count says so (``max_requests`` held, none of the others), :meth:`DeferredFinish.take` takes the
-oldest ``chunk`` of them and leaves the rest for a later step: lock-stepped requests (a fixed-length workload,
-a burst) finish in groups in a few steps as the batch empties, where a step's forward is short, and a batch of
-64 held the engine loop past it (run 50's profile of 512+256: the GPU idle 5-12 ms before and in each of the
-tail's steps that took one, most of the default's idle time).  Half a batch a step fits in the forward's
-shadow; every other rule takes them all (the reuse rule must, before the forward).
+Where the count or a request planned for maps says so (and no held block is given out again), the batch is a
+``chunk`` of them: every one planned for maps and the oldest others, the rest left for a later step.
+Lock-stepped requests (a fixed-length workload, a burst) finish in groups in a few steps as the batch empties,
+where a step's forward is short, and a batch of 64 held the engine loop past it (run 50's profile of 512+256:
+the GPU idle 5-12 ms before and in each of the tail's steps that took one, most of the default's idle time).
+Half a batch a step fits in the forward's shadow.  The other rules take them all (the reuse rule must, before
+the forward; an idle engine has no forward to hide behind; and the age bounds how long any waits).
 
 Taking them all at once costs each step's fixed work (uploads, launches, the flush's bookkeeping) once per
 batch, not once per step that finishes a request (docs/benchmarks/history.md, run 19: the finish work was 5% of
@@ -41,6 +42,7 @@ class DeferredFinish:
         self.req_ids: list[str] = []  # every finished id of the steps held (the per-id cleanups take them)
         self.finished: list[Any] = []  # their FinishedRequest records (the ones with a capture to make)
         self.maps = False  # one of them was planned for maps
+        self._is_maps: list[bool] = []  # per record of ``finished``: planned for maps
         self._held: set[int] = set()  # the held requests' block ids (a set: a step looks up a few blocks)
         self._age = 0  # steps since the oldest held one finished
         self.batches = 0  # batches taken (stats)
@@ -51,17 +53,21 @@ class DeferredFinish:
     def __len__(self) -> int:
         return len(self.req_ids)
 
-    def add(self, req_ids: Iterable[str], finished: Sequence[Any], maps: bool = False) -> None:
+    def add(self, req_ids: Iterable[str], finished: Sequence[Any], maps: bool | Sequence[bool] = False) -> None:
         """This step's finished ids, and the records of those with a capture to make (``block_ids`` per
-        KV-cache group)."""
+        KV-cache group); ``maps``: whether each record was planned for maps (one bool: all of them or none)."""
         ids = list(req_ids)
         if not ids:
             return
         if not self.req_ids:
             self._age = 0
+        flags = [bool(maps)] * len(finished) if isinstance(maps, (bool, int)) else [bool(m) for m in maps]
+        if len(flags) != len(finished):
+            raise ValueError(f"{len(flags)} maps flags for {len(finished)} records")
         self.req_ids.extend(ids)
         self.finished.extend(finished)
-        self.maps = self.maps or maps
+        self._is_maps.extend(flags)
+        self.maps = self.maps or any(flags)
         held = self._held
         for f in finished:
             held.update(itertools.chain.from_iterable(f.block_ids))
@@ -84,32 +90,43 @@ class DeferredFinish:
             self.reason = "maps"
         elif len(self.finished) >= self.max_requests:
             self.reason = "count"
-            if not self.reused and 0 < self.chunk < len(self.finished):
-                self.limit = self.chunk
         elif self._age > self.max_steps:
             self.reason = "age"
         elif self.reused:
             self.reason = "reuse"
         else:
             return False
+        if self.reason in ("maps", "count") and not self.reused and self.chunk > 0:
+            k = max(self.chunk, sum(self._is_maps))
+            if k < len(self.finished):
+                self.limit = k
         return True
 
     def take(self, limit: int | None = None) -> tuple[list[str], list[Any]]:
         """Everything held, in finishing order; the blocks are no longer marked.  ``limit`` (what :meth:`due`
-        left in ``self.limit``): only the oldest ``limit`` records (each with a ``request_id``) and every id
-        without a record; the others stay held, their blocks marked, the clock running from the oldest."""
+        left in ``self.limit``): ``limit`` records (each with a ``request_id``), every one planned for maps and
+        the oldest others, and every id without a record, in finishing order; the others stay held, their blocks
+        marked, the clock running from the oldest."""
         if limit is not None and 0 < limit < len(self.finished):
-            now, rest = self.finished[:limit], self.finished[limit:]
+            room = limit - sum(self._is_maps)
+            pick = []
+            for m in self._is_maps:
+                pick.append(m or room > 0)
+                room -= not m
+            now = [f for f, p in zip(self.finished, pick) if p]
+            rest = [f for f, p in zip(self.finished, pick) if not p]
             later = {f.request_id for f in rest}
             ids = [r for r in self.req_ids if r not in later]
             self.req_ids = [r for r in self.req_ids if r in later]
             self.finished = rest
+            self._is_maps = [False] * len(rest)
+            self.maps = False
             self._held = set(itertools.chain.from_iterable(b for f in rest for b in f.block_ids))
             self.batches += 1
             return ids, now
         ids, finished = self.req_ids, self.finished
         self._held.clear()
-        self.req_ids, self.finished, self.maps = [], [], False
+        self.req_ids, self.finished, self.maps, self._is_maps = [], [], False, []
         self.batches += 1
         return ids, finished
 

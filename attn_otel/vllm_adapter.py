@@ -1532,7 +1532,7 @@ def _track(runner, engine, so, t0: float) -> None:
         finished = _spill_or_hold(engine, done, finished, flat_blocks(fresh), empty)
         spill_s = time.perf_counter() - t3
         parts["finished_rows"] += spill_s
-    deferred.add(so.finished_req_ids, finished, any(t.maps for _, t in done))
+    deferred.add(so.finished_req_ids, finished, [t.maps for _, t in done])
     if deferred.due(fresh, empty):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take(deferred.limit)

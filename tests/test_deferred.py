@@ -112,8 +112,25 @@ def test_a_batch_due_by_count_alone_takes_the_oldest_chunk_and_keeps_the_rest_ma
     assert ids == ["c", "d", "e"] and len(taken) == 3 and len(d) == 0
 
 
+def test_a_batch_due_for_maps_takes_every_maps_request_and_the_oldest_others_up_to_the_chunk():
+    d = DeferredFinish(max_steps=16, max_requests=64, chunk=3)
+    d.add(["a", "b", "c", "d"], [rec(r, [i]) for i, r in enumerate("abcd")])
+    assert not d.due(none(), idle=False)
+    d.add(["e", "f"], [rec("e", [10]), rec("f", [11])], maps=[False, True])
+    assert d.due(none(), idle=False) and d.reason == "maps" and d.limit == 3
+    ids, taken = d.take(d.limit)
+    assert ids == ["a", "b", "f"] and [f.request_id for f in taken] == ["a", "b", "f"]
+    assert not d.maps and len(d) == 3 and not d.due(none(), idle=False)  # no maps request left: held again
+    d.add(["g", "h"], [rec("g", [12]), rec("h", [13])], maps=[True, True])
+    d.add(["i"], [rec("i", [14])], maps=True)
+    assert d.due(none(), idle=False) and d.limit == 3 and [f.request_id for f in d.take(d.limit)[1]] == ["g", "h", "i"]
+    with pytest.raises(ValueError):
+        d.add(["j"], [rec("j", [15])], maps=[True, False])
+
+
 @pytest.mark.parametrize("why", ["idle", "maps", "age", "reuse"])
 def test_every_other_reason_takes_the_whole_batch(why):
+    """(Maps here: all three planned for maps, more than the chunk.)"""
     d = DeferredFinish(max_steps=0 if why == "age" else 16, max_requests=2 if why != "age" else 100, chunk=1)
     d.add(["a", "b", "c"], [rec("a", [1]), rec("b", [2]), rec("c", [3])], maps=why == "maps")
     assert d.due(np.array([2]) if why == "reuse" else none(), idle=why == "idle")
