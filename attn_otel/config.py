@@ -164,7 +164,9 @@ ATTN_OTEL_FINISH_BATCH_CHUNK = "ATTN_OTEL_FINISH_BATCH_CHUNK"
 every one planned for maps and the oldest others, this many in all, the rest in a later step
 (:mod:`attn_otel.deferred`), so that requests finishing together as the batch empties, where the forwards are
 short, do not hold the engine loop past a forward.  The other reasons (a block given out again, the engine going
-idle, age) take them all.  ``0``: all of them, as up to 2026-12-03.  Default ``32``."""
+idle, age) take them all.  ``0`` (default): all of them.  Run 50 (H200, 512+256, one call) measured ``32`` at
+x0.979 of capture off against ``0``'s x0.982, with more batches (35 against 27) and more of attn-otel's host
+time (1.42 s against 1.24): the tail's idle GPU time is not the batches' size alone."""
 
 ATTN_OTEL_WRITER_TIMEOUT_S = "ATTN_OTEL_WRITER_TIMEOUT_S"
 """Seconds a writer process may take to answer for one capture before it is killed (the capture counted
@@ -378,7 +380,7 @@ class Config:
     gil_switch_ms: float = 0.2
     event_wait: str = "sleep"
     finish_batch_steps: int = 16
-    finish_batch_chunk: int = 32
+    finish_batch_chunk: int = 0
     after_launch: bool = True
     # where work after the launch runs (ATTN_OTEL_AFTER_LAUNCH): "execute", as vLLM's execute_model returns (the
     # forward enqueued); "sample", after the step's sample_tokens (the sampler enqueued too); "output", after the

@@ -18,8 +18,11 @@ Where the count or a request planned for maps says so (and no held block is give
 Lock-stepped requests (a fixed-length workload, a burst) finish in groups in a few steps as the batch empties,
 where a step's forward is short, and a batch of 64 held the engine loop past it (run 50's profile of 512+256:
 the GPU idle 5-12 ms before and in each of the tail's steps that took one, most of the default's idle time).
-Half a batch a step fits in the forward's shadow.  The other rules take them all (the reuse rule must, before
-the forward; an idle engine has no forward to hide behind; and the age bounds how long any waits).
+Half a batch a step was to fit in the forward's shadow, but run 50 (H200, 512+256, one call) measured chunks of
+32 at x0.979 of capture off against whole batches' x0.982, with 35 batches against 27 and more host time, so
+``chunk`` is 0 (whole batches) unless ``ATTN_OTEL_FINISH_BATCH_CHUNK`` sets it.  The other rules take them all
+(the reuse rule must, before the forward; an idle engine has no forward to hide behind; and the age bounds how
+long any waits).
 
 Taking them all at once costs each step's fixed work (uploads, launches, the flush's bookkeeping) once per
 batch, not once per step that finishes a request (docs/benchmarks/history.md, run 19: the finish work was 5% of
