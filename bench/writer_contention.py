@@ -21,7 +21,9 @@ per capture (the batch's steps' excess over ``alone``'s p50, divided by the capt
 threads' CPU per capture (the process's CPU less the loop's, over the captures).  On a machine of few cores the
 writer processes also take the loop's core, so ``--writers 1`` sets one writer apart from the GIL's share.
 
-    python3 bench/writer_contention.py [--batch 64] [--repeats 5] [--writers 4] [--out docs/benchmarks/writer-contention-cpu.json]
+    python3 bench/writer_contention.py [--batch 64] [--repeats 5] [--writers 4] [--out FILE]
+
+(docs/benchmarks/writer-contention.json keeps two machines' runs.)
 """
 
 from __future__ import annotations
