@@ -261,6 +261,7 @@ class BatchedMetrics:
                 off += t.shape[0]
         event = self.timer.stop(started)
         loop = time.perf_counter() - t0
+        jobs = []
         for i, (plan, rec) in enumerate(zip(batch, records)):
             # by layer index, as the planner picked them (comparing LayerSpecs field by field cost a finish batch
             # more than its summaries' launches)
@@ -273,8 +274,9 @@ class BatchedMetrics:
             else:
                 job = Job(rec, None, None, event, plan.nbytes, plan.t0, tok_host.get(i),
                           keep=keep if len(keep) < len(layers) else None, summary=summaries[i])
-            self.handoff.put(job)
+            jobs.append(job)
             if rec.part is None or rec.part.index == 0:  # a parallel capture counts once, on its first part
                 self.stats.add("captured")
             self.device_budget.release(plan.device)  # a forward writes these slots only after the kernels (Side)
             self.stats.loop_times.append(loop / len(batch) + (t0 - plan.t0))
+        self.handoff.put_many(jobs)  # a part a writer thread, each written in one message

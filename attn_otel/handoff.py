@@ -132,6 +132,17 @@ class Handoff:
     def put(self, job: Job) -> None:
         self._q.put_nowait(job)
 
+    def put_many(self, jobs: list[Job]) -> None:
+        """Several jobs at once (a finish batch's): split among the writer threads, each part one queue item,
+        which its thread writes in one message (:meth:`attn_otel.writers.WriterPool.write_many`), so that the
+        batch wakes each thread once and costs the engine's process one round trip a part, not one a job."""
+        if not jobs:
+            return
+        parts = min(len(self._threads), len(jobs))
+        size = -(-len(jobs) // parts)
+        for i in range(0, len(jobs), size):
+            self._q.put_nowait(jobs[i:i + size])
+
     def release(self, nbytes: int) -> None:
         self.budget.release(nbytes)
 
@@ -142,17 +153,21 @@ class Handoff:
     def _run(self) -> None:
         os_thread_name("attn-otel-write")
         while True:
-            job = self._q.get()
-            if job is None:
+            item = self._q.get()
+            if item is None:
                 return
+            jobs = item if isinstance(item, list) else [item]
             try:
                 if self._closing and time.monotonic() > self._closing:  # a hung store must not hang exit
-                    self.stats.add("dropped", reason="shutdown")
+                    self.stats.add("dropped", len(jobs), reason="shutdown")
+                elif len(jobs) == 1:
+                    self._writers.write(jobs[0])
                 else:
-                    self._writers.write(job)
+                    self._writers.write_many(jobs)
             finally:
-                self.release(job.nbytes)
-                self._maps_pool.release(job.maps_seg)
+                for job in jobs:
+                    self.release(job.nbytes)
+                    self._maps_pool.release(job.maps_seg)
 
     def begin_closing(self, seconds: float | None = None) -> float:
         """From now on, exit is near: jobs still queued ``seconds`` (default EXIT_DRAIN_S) from the first call

@@ -19,6 +19,10 @@ line on stdout: ``{"id": 7, "ok": true, "bytes": N, "errors": {exporter: message
 ``{"id": 7, "ok": false, "error": "..."}`` when the message itself could not be read.
 The engine side unlinks the segment after the answer.  EOF on stdin ends the writer.
 
+Several captures (a finish batch's, none with maps) may come in one line, ``{"shm": "psm_...", "batch": [msg,
+...]}``, each ``msg`` as above with its arrays in that one segment: the answer is ``{"batch": [reply, ...]}``,
+one reply per capture in the same order, each as above.
+
 Started as a process, the writer first imports what it needs and builds its exporters, then says
 ``{"ready": true}`` on stdout: the engine side's per-capture timeout (``ATTN_OTEL_WRITER_TIMEOUT_S``)
 counts from there, so a slow start (a loaded machine, a cold import cache) is not a hung writer.
@@ -85,17 +89,14 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
             fanout = None
         stdout.write(json.dumps({"ready": True}) + "\n")
         stdout.flush()
-    for line in stdin:
-        if not line.strip():
-            continue
-        msg_id = None
-        shm = None
+    state = {"fanout": fanout}
+
+    def one(msg: dict, shm) -> dict:
+        """Store and export one capture whose arrays are in ``shm`` (and in their own segments where named)."""
+        msg_id = msg.get("id")
         extra: list = []
         views: dict = {}
         try:
-            msg = json.loads(line)
-            msg_id = msg.get("id")
-            shm = _attach(msg["shm"])
             for name, (off, shape, dtype, *own) in msg["arrays"].items():
                 buf = shm.buf
                 if own:  # an array in a segment of its own (maps: attn_otel.hostmem's pool, read in place)
@@ -112,10 +113,10 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
                 metrics = {}
             rec = CaptureRecord(**msg["record"], token_ids=views.get("token_ids"), maps=views.get("maps"),
                                 vision_mask=views.get("vision_mask"), metrics=metrics)
-            if fanout is None:
-                fanout = build_exporters(_config(store_url, config_json))
+            if state["fanout"] is None:
+                state["fanout"] = build_exporters(_config(store_url, config_json))
             item = ExportItem(rec, latency_s=float(msg.get("latency_s", 0.0)), _summary=summary)
-            errors = fanout.export(item)
+            errors = state["fanout"].export(item)
             reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors,
                      "complete": item.complete, "maps_stored": bool(item.maps_stored)}
             del per_row, metrics, rec, item
@@ -123,13 +124,37 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
             reply = {"id": msg_id, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
         finally:
             views.clear()  # the segments' views go first, so that they can close
-            for seg in ([shm] if shm is not None else []) + extra:
+            for seg in extra:
                 try:
                     seg.close()
                 except BufferError:  # a view still alive: the mapping goes with the process
                     pass
+        return reply
+
+    for line in stdin:
+        if not line.strip():
+            continue
+        shm = None
+        msg: dict = {}
+        try:
+            msg = json.loads(line)
+            shm = _attach(msg["shm"])
+            if "batch" in msg:
+                reply = {"batch": [one(m, shm) for m in msg["batch"]]}
+            else:
+                reply = one(msg, shm)
+        except Exception as e:  # noqa: BLE001 - the message itself could not be read
+            reply = {"id": msg.get("id") if isinstance(msg, dict) else None, "ok": False,
+                     "error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            if shm is not None:
+                try:
+                    shm.close()
+                except BufferError:  # a view still alive: the mapping goes with the process
+                    pass
         stdout.write(json.dumps(reply) + "\n")
         stdout.flush()
+    fanout = state["fanout"]
     if fanout is not None:
         fanout.shutdown()
 

@@ -46,33 +46,69 @@ class WriterPool:
     def write(self, job: Job) -> None:
         """Wait for the job's device work, then store and export it.  Never raises: a failure is counted
         (``store_error``) and logged once per error type."""
-        try:
-            if job.event is not None:
-                job.event.synchronize()
-            if job.keep is not None:
-                if job.per_row is not None:
-                    job.per_row = job.per_row[:, job.keep]
-                if job.summary is not None:
-                    job.summary = job.summary[:, :, :, job.keep]
-            latency = time.perf_counter() - job.t_finish
-            self.stats.latencies.append(latency)
-            rec = job.record
-            if job.token_ids is not None:
-                rec.token_ids = job.token_ids.numpy().astype(np.int32)
-            # the rows a capture has: KERNEL_METRICS, and the learned sink mass where a layer has learned sinks
-            # (attn_otel.compute keeps that row only then; a summary has it defined only then)
+        self.write_many([job])
+
+    def write_many(self, jobs: list[Job]) -> None:
+        """:meth:`write` for each of ``jobs``; with writer processes, jobs without maps go to this thread's
+        writer in one message (one shared-memory segment, one JSON line, one answer with a reply per job), so
+        that a finish batch's captures cost the engine's process a few system calls and GIL hand-overs, not a
+        round trip each (``bench/writer_contention.py``).  Each job is counted on its own, as with :meth:`write`."""
+        ready = []
+        for job in jobs:
+            try:
+                ready.append((job, *self._prepare(job)))
+            except Exception as e:  # noqa: BLE001
+                self._failed(job, e)
+        together = [r for r in ready if r[0].maps is None] if self.config.writer == "process" else []
+        if len(together) > 1:
+            try:
+                replies = self._write_many_in_process(together)
+            except Exception as e:  # noqa: BLE001 - the writer died or hung: every job of the message
+                replies = [e] * len(together)
+            for (job, *_), reply in zip(together, replies):
+                self._settle(job, reply)
+            ready = [r for r in ready if r[0].maps is not None]
+        for job, rec, names, latency in ready:
+            try:
+                reply = (self._write_in_process(rec, job, names, latency) if self.config.writer == "process"
+                         else self._write_in_thread(rec, job, names, latency))
+            except Exception as e:  # noqa: BLE001
+                reply = e
+            self._settle(job, reply)
+
+    def _prepare(self, job: Job) -> tuple[CaptureRecord, list[str], float]:
+        """The job's record once its device work is done, the metric names it has, and its latency so far."""
+        if job.event is not None:
+            job.event.synchronize()
+        if job.keep is not None:
             if job.per_row is not None:
-                width = job.per_row.shape[0]
-            else:
-                sink_row = job.summary[:, LEARNED_SINK_ROW] if job.summary is not None else None
-                width = (len(METRICS) if sink_row is not None and bool(torch.isfinite(sink_row).any())
-                         else len(KERNEL_METRICS))
-            names = [name for name in METRICS[:width]
-                     if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")]
-            if self.config.writer == "process":
-                reply = self._write_in_process(rec, job, names, latency)
-            else:
-                reply = self._write_in_thread(rec, job, names, latency)
+                job.per_row = job.per_row[:, job.keep]
+            if job.summary is not None:
+                job.summary = job.summary[:, :, :, job.keep]
+        latency = time.perf_counter() - job.t_finish
+        self.stats.latencies.append(latency)
+        rec = job.record
+        if job.token_ids is not None:
+            rec.token_ids = job.token_ids.numpy().astype(np.int32)
+        # the rows a capture has: KERNEL_METRICS, and the learned sink mass where a layer has learned sinks
+        # (attn_otel.compute keeps that row only then; a summary has it defined only then)
+        if job.per_row is not None:
+            width = job.per_row.shape[0]
+        else:
+            sink_row = job.summary[:, LEARNED_SINK_ROW] if job.summary is not None else None
+            width = (len(METRICS) if sink_row is not None and bool(torch.isfinite(sink_row).any())
+                     else len(KERNEL_METRICS))
+        names = [name for name in METRICS[:width]
+                 if name not in ("vision_share", "vision_share_norm") or rec.attrs.get("vision")]
+        return rec, names, latency
+
+    def _settle(self, job: Job, reply: dict | Exception) -> None:
+        """Count what the writer answered for ``job`` (or the exception that took it)."""
+        try:
+            if isinstance(reply, Exception):
+                raise reply
+            if not reply.get("ok", True):
+                raise RuntimeError(f"writer process: {reply.get('error')}")
             errors = dict(reply.get("errors") or {})
             store_error = errors.pop("zarr", None)
             for name in errors:
@@ -86,10 +122,13 @@ class WriterPool:
             self.stats.add("bytes_written", int(reply.get("bytes", 0)))
             self.stats.write_latencies.append(time.perf_counter() - job.t_finish)
         except Exception as e:  # noqa: BLE001
-            self.stats.add("dropped", reason="store_error")
-            self._warn(f"store:{type(e).__name__}", "writing capture of request %s to %s failed: %s "
-                       "(dropped and counted; logged once per error type)", job.record.request_id,
-                       redact_url(self.config.store), e)
+            self._failed(job, e)
+
+    def _failed(self, job: Job, e: Exception) -> None:
+        self.stats.add("dropped", reason="store_error")
+        self._warn(f"store:{type(e).__name__}", "writing capture of request %s to %s failed: %s "
+                   "(dropped and counted; logged once per error type)", job.record.request_id,
+                   redact_url(self.config.store), e)
 
     def _write_in_thread(self, rec: CaptureRecord, job: Job, names: list[str], latency: float) -> dict:
         from .exporters import ExportItem, build_exporters
@@ -113,51 +152,72 @@ class WriterPool:
     def _write_in_process(self, rec: CaptureRecord, job: Job, names: list[str], latency: float) -> dict:
         """Hand the capture to the writer process: arrays through one shared-memory segment, the rest as
         one JSON line; block this (writer-feeding) thread, not the engine, until it answers."""
-        from multiprocessing import shared_memory
-
-        arrays: dict[str, tuple[torch.Tensor | np.ndarray, str]] = (
-            {"per_row": (job.per_row, "float32")} if job.per_row is not None else {"summary": (job.summary, "float32")})
-        if job.maps is not None and job.maps_seg is None:
-            arrays["maps"] = (job.maps, "float16")
-        if rec.token_ids is not None:
-            arrays["token_ids"] = (np.asarray(rec.token_ids, dtype=np.int32), "int32")
-        if rec.vision_mask is not None:
-            arrays["vision_mask"] = (np.asarray(rec.vision_mask, dtype=bool), "bool")
-        layout, offset = {}, 0
-        for name, (a, dtype) in arrays.items():
-            nbytes = int(np.prod(a.shape)) * np.dtype(dtype).itemsize
-            layout[name] = [offset, list(a.shape), dtype]
-            offset += (nbytes + 63) // 64 * 64
-        shm = shared_memory.SharedMemory(create=True, size=max(offset, 64))
-        try:
-            for name, (a, dtype) in arrays.items():
-                off, shape, _ = layout[name]
-                view = np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=shm.buf, offset=off)
-                if isinstance(a, torch.Tensor):
-                    torch.from_numpy(view).copy_(a)  # torch releases the GIL for the copy
-                else:
-                    view[...] = a
-                del view
-            meta = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)
-                    if f.name not in ("token_ids", "maps", "metrics", "vision_mask")}
-            meta["layers"] = [int(x) for x in meta["layers"]]
-            if rec.part is not None:
-                meta["part"] = rec.part.to_json()
-            if job.maps_seg is not None:  # read in place, from its own segment
-                layout["maps"] = [0, list(job.maps.shape), "float16", job.maps_seg.name]
-            msg = {"id": id(job), "shm": shm.name, "record": meta, "arrays": layout,
-                   "metrics": {name: METRICS.index(name) for name in names}, "latency_s": latency}
-            reply = self._call(json.dumps(msg))
-        finally:
-            shm.close()
-            shm.unlink()
+        reply = self._send([(job, rec, names, latency)], batch=False)[0]
         if not reply.get("ok"):
             raise RuntimeError(f"writer process: {reply.get('error')}")
         return reply
 
-    def _call(self, line: str) -> dict:
-        """One request/answer with this thread's writer process, started (or restarted once) as needed."""
-        timeout = writer_timeout_s(self.config)
+    def _write_many_in_process(self, items: list[tuple[Job, CaptureRecord, list[str], float]]) -> list[dict]:
+        """Several captures (none with maps) in one message: their arrays in one segment, one JSON line holding
+        each one's message, one answer holding each one's reply."""
+        return self._send(items, batch=True)
+
+    def _send(self, items: list[tuple[Job, CaptureRecord, list[str], float]], batch: bool) -> list[dict]:
+        from multiprocessing import shared_memory
+
+        packed, offset = [], 0
+        for job, rec, names, latency in items:
+            arrays: dict[str, tuple[torch.Tensor | np.ndarray, str]] = (
+                {"per_row": (job.per_row, "float32")} if job.per_row is not None
+                else {"summary": (job.summary, "float32")})
+            if job.maps is not None and job.maps_seg is None:
+                arrays["maps"] = (job.maps, "float16")
+            if rec.token_ids is not None:
+                arrays["token_ids"] = (np.asarray(rec.token_ids, dtype=np.int32), "int32")
+            if rec.vision_mask is not None:
+                arrays["vision_mask"] = (np.asarray(rec.vision_mask, dtype=bool), "bool")
+            layout = {}
+            for name, (a, dtype) in arrays.items():
+                nbytes = int(np.prod(a.shape)) * np.dtype(dtype).itemsize
+                layout[name] = [offset, list(a.shape), dtype]
+                offset += (nbytes + 63) // 64 * 64
+            packed.append((job, rec, names, latency, arrays, layout))
+        shm = shared_memory.SharedMemory(create=True, size=max(offset, 64))
+        try:
+            msgs = []
+            for job, rec, names, latency, arrays, layout in packed:
+                for name, (a, dtype) in arrays.items():
+                    off, shape, _ = layout[name]
+                    view = np.ndarray(tuple(shape), dtype=np.dtype(dtype), buffer=shm.buf, offset=off)
+                    if isinstance(a, torch.Tensor):
+                        torch.from_numpy(view).copy_(a)  # torch releases the GIL for the copy
+                    else:
+                        view[...] = a
+                    del view
+                meta = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)
+                        if f.name not in ("token_ids", "maps", "metrics", "vision_mask")}
+                meta["layers"] = [int(x) for x in meta["layers"]]
+                if rec.part is not None:
+                    meta["part"] = rec.part.to_json()
+                if job.maps_seg is not None:  # read in place, from its own segment
+                    layout["maps"] = [0, list(job.maps.shape), "float16", job.maps_seg.name]
+                msgs.append({"id": id(job), "shm": shm.name, "record": meta, "arrays": layout,
+                             "metrics": {name: METRICS.index(name) for name in names}, "latency_s": latency})
+            if not batch:
+                return [self._call(json.dumps(msgs[0]))]
+            reply = self._call(json.dumps({"shm": shm.name, "batch": msgs}), len(msgs))
+            replies = reply.get("batch")
+            if not isinstance(replies, list) or len(replies) != len(msgs):
+                raise RuntimeError(f"writer process: {reply.get('error') or 'no reply per capture'}")
+            return replies
+        finally:
+            shm.close()
+            shm.unlink()
+
+    def _call(self, line: str, captures: int = 1) -> dict:
+        """One request/answer with this thread's writer process, started (or restarted once) as needed; the
+        answer may take ``ATTN_OTEL_WRITER_TIMEOUT_S`` for each of the message's ``captures``."""
+        timeout = writer_timeout_s(self.config) * max(1, int(captures))
         for _ in range(2):  # a writer that died is restarted once per capture
             proc = getattr(self._local, "proc", None)
             if proc is None or proc.poll() is not None:

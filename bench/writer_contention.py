@@ -14,7 +14,10 @@ pure-Python work, back to back.  Phases, each timed by the loop's own steps:
 
 * ``alone``: the loop with idle writers (the reference);
 * ``batch``: the loop while a batch of ``--batch`` captures is handed off at once, from the hand-off until
-  every one is written (repeated ``--repeats`` times).
+  every one is written (repeated ``--repeats`` times), as a finish batch does: ``Handoff.put_many`` (a part a
+  writer thread, each part one message to its writer process);
+* ``one_by_one``: the same batches put one capture at a time (``Handoff.put``: a message each, as every finish
+  batch did up to 2026-12-03).
 
 Reported: the loop's step time (p50, p99, max) in each phase and as a ratio to ``alone``, the loop time lost
 per capture (the batch's steps' excess over ``alone``'s p50, divided by the captures), and the writer-feeding
@@ -136,9 +139,13 @@ def main(argv=None) -> int:
         assert handoff.reserve(nbytes)
         return Job(rec, None, None, None, nbytes, time.perf_counter(), summary=summary)
 
-    def hand_off(n: int) -> None:
-        for j in [job() for _ in range(n)]:
-            handoff.put(j)
+    def hand_off(n: int, together: bool = True) -> None:
+        jobs = [job() for _ in range(n)]
+        if together:
+            handoff.put_many(jobs)
+        else:
+            for j in jobs:
+                handoff.put(j)
         if not handoff.flush(120):
             raise RuntimeError("the writers did not finish within 120 s")
 
@@ -150,46 +157,46 @@ def main(argv=None) -> int:
     time.sleep(args.alone_s)
     loop.record = False
     alone = list(loop.steps)
-    batch_steps: list[float] = []
-    batch_s = 0.0
-    cpu_other = 0.0
-    for _ in range(args.repeats):
-        time.sleep(0.2)
-        loop.steps = []
-        p0 = time.process_time()
-        lc0 = _thread_cpu(loop)
-        t0 = time.perf_counter()
-        loop.record = True
-        hand_off(args.batch)
-        loop.record = False
-        batch_s += time.perf_counter() - t0
-        cpu_other += (time.process_time() - p0) - (_thread_cpu(loop) - lc0)
-        batch_steps += loop.steps
+    ref = _quantiles(alone)
+    captures = args.batch * args.repeats
+    phases = {}
+    for name, together in (("batch", True), ("one_by_one", False)):
+        steps: list[float] = []
+        wall = cpu_other = 0.0
+        for _ in range(args.repeats):
+            time.sleep(0.2)
+            loop.steps = []
+            p0, lc0 = time.process_time(), _thread_cpu(loop)
+            t0 = time.perf_counter()
+            loop.record = True
+            hand_off(args.batch, together)
+            loop.record = False
+            wall += time.perf_counter() - t0
+            cpu_other += (time.process_time() - p0) - (_thread_cpu(loop) - lc0)
+            steps += loop.steps
+        got = _quantiles(steps)
+        excess = sum(steps) - len(steps) * ref["p50_ms"] / 1e3
+        phases[name] = {**got, "ratios": {k: got[k] / ref[k] for k in ("p50_ms", "p99_ms", "max_ms")},
+                        "batch_wall_ms": wall / args.repeats * 1e3,
+                        "loop_lost_ms_per_capture": excess / captures * 1e3,
+                        "feed_cpu_ms_per_capture": cpu_other / captures * 1e3}
     loop.stop = True
     loop.thread.join(10)
     handoff.begin_closing(0)
     writers.close(time.monotonic() + 30)
     snap = stats.snapshot()
-    ref = _quantiles(alone)
-    got = _quantiles(batch_steps)
-    captures = args.batch * args.repeats
-    excess = sum(batch_steps) - len(batch_steps) * ref["p50_ms"] / 1e3
     res = {
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs", "python": platform.python_version(),
         "gil_switch_ms": config.gil_switch_ms, "writers": args.writers, "batch": args.batch,
         "repeats": args.repeats, "step_us": args.step_us, "stored": snap.get("stored"), "dropped": snap.get("dropped"),
-        "alone": ref, "batch_phase": got,
-        "ratios": {k: got[k] / ref[k] for k in ("p50_ms", "p99_ms", "max_ms")},
-        "batch_wall_ms": batch_s / args.repeats * 1e3,
-        "loop_lost_ms_per_capture": excess / captures * 1e3,
-        "feed_cpu_ms_per_capture": cpu_other / captures * 1e3,
+        "alone": ref, **phases,
     }
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    return 0 if snap.get("stored") == captures + 4 * args.writers else 1
+    return 0 if snap.get("stored") == 2 * captures + 4 * args.writers else 1
 
 
 def _thread_cpu(loop: Loop) -> float:
