@@ -49,53 +49,53 @@ def _check(trace, rows, store):
 
 
 @pytest.fixture
-def engine(tmp_path):
+def cap_engine(tmp_path):
     eng = CaptureEngine(Config(store=str(tmp_path / "store"), writers=2), LAYERS, 64, torch.float32, "cpu")
     yield eng
     eng.close()
 
 
-def test_a_batch_goes_to_each_writer_in_one_message_and_every_capture_reads_back(engine, tmp_path, monkeypatch):
+def test_a_batch_goes_to_each_writer_in_one_message_and_every_capture_reads_back(cap_engine, tmp_path, monkeypatch):
     sent = []
-    call = type(engine.handoff._writers)._call
+    call = type(cap_engine.handoff._writers)._call
 
     def counting(self, line, captures=1):
         sent.append(captures)
         return call(self, line, captures)
 
-    monkeypatch.setattr(type(engine.handoff._writers), "_call", counting)
-    caps = [_capture(engine, s) for s in range(7)]
-    engine.handoff.put_many([job for *_, job in caps])
-    assert engine.flush(120)
-    snap = engine.stats.snapshot()
+    monkeypatch.setattr(type(cap_engine.handoff._writers), "_call", counting)
+    caps = [_capture(cap_engine, s) for s in range(7)]
+    cap_engine.handoff.put_many([job for *_, job in caps])
+    assert cap_engine.flush(120)
+    snap = cap_engine.stats.snapshot()
     assert snap["stored"] == 7 and snap["dropped"] == {}, snap
     assert sorted(sent) == [3, 4]  # two writer threads: 7 captures in two messages, none alone
     for trace, rows, _ in caps:
         _check(trace, rows, tmp_path / "store")
 
 
-def test_a_bad_capture_in_a_batch_is_counted_alone(engine, tmp_path):
-    caps = [_capture(engine, s) for s in range(3)]
+def test_a_bad_capture_in_a_batch_is_counted_alone(cap_engine, tmp_path):
+    caps = [_capture(cap_engine, s) for s in range(3)]
     caps[1][2].summary = torch.zeros(3)  # not a summary: its own preparation fails, the others' message goes
-    engine.handoff.put_many([job for *_, job in caps])
-    assert engine.flush(120)
-    snap = engine.stats.snapshot()
+    cap_engine.handoff.put_many([job for *_, job in caps])
+    assert cap_engine.flush(120)
+    snap = cap_engine.stats.snapshot()
     assert snap["stored"] == 2 and snap["dropped"] == {"store_error": 1}, snap
     for i in (0, 2):
         _check(caps[i][0], caps[i][1], tmp_path / "store")
 
 
-def test_a_writer_that_died_is_replaced_and_the_part_sent_again(engine, tmp_path):
-    first = [_capture(engine, s) for s in range(2)]
-    engine.handoff.put_many([job for *_, job in first])
-    assert engine.flush(120)
-    for proc in engine.handoff._writers.procs:
+def test_a_writer_that_died_is_replaced_and_the_part_sent_again(cap_engine, tmp_path):
+    first = [_capture(cap_engine, s) for s in range(2)]
+    cap_engine.handoff.put_many([job for *_, job in first])
+    assert cap_engine.flush(120)
+    for proc in cap_engine.handoff._writers.procs:
         proc.kill()
         proc.wait(10)
-    caps = [_capture(engine, s) for s in range(10, 16)]
-    engine.handoff.put_many([job for *_, job in caps])
-    assert engine.flush(120)
-    snap = engine.stats.snapshot()
+    caps = [_capture(cap_engine, s) for s in range(10, 16)]
+    cap_engine.handoff.put_many([job for *_, job in caps])
+    assert cap_engine.flush(120)
+    snap = cap_engine.stats.snapshot()
     assert snap["stored"] == 8 and snap["dropped"] == {}, snap
     for trace, rows, _ in caps:
         _check(trace, rows, tmp_path / "store")
