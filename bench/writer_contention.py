@@ -88,13 +88,12 @@ class Loop:
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def _run(self) -> None:
-        c0 = time.thread_time()
         while not self.stop:
             t0 = time.perf_counter()
             _work(self.iters)
             if self.record:
                 self.steps.append(time.perf_counter() - t0)
-        self.cpu = time.thread_time() - c0
+            self.cpu = time.thread_time()  # its own CPU so far, at most a step old when read
 
 
 def main(argv=None) -> int:
@@ -166,13 +165,13 @@ def main(argv=None) -> int:
         for _ in range(args.repeats):
             time.sleep(0.2)
             loop.steps = []
-            p0, lc0 = time.process_time(), _thread_cpu(loop)
+            p0, lc0 = time.process_time(), loop.cpu
             t0 = time.perf_counter()
             loop.record = True
             hand_off(args.batch, together)
             loop.record = False
             wall += time.perf_counter() - t0
-            cpu_other += (time.process_time() - p0) - (_thread_cpu(loop) - lc0)
+            cpu_other += (time.process_time() - p0) - (loop.cpu - lc0)
             steps += loop.steps
         got = _quantiles(steps)
         excess = sum(steps) - len(steps) * ref["p50_ms"] / 1e3
@@ -197,17 +196,6 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
     return 0 if snap.get("stored") == 2 * captures + 4 * args.writers else 1
-
-
-def _thread_cpu(loop: Loop) -> float:
-    """The loop thread's CPU seconds so far, from /proc (Linux), else 0 (the feed's CPU then includes it)."""
-    try:
-        tid = loop.thread.native_id
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 if __name__ == "__main__":
