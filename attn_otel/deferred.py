@@ -41,10 +41,9 @@ class DeferredFinish:
     def __init__(self, max_steps: int = 16, max_requests: int = 64, chunk: int = 0) -> None:
         self.max_steps = int(max_steps)
         self.max_requests = int(max_requests)
-        self.chunk = int(chunk)  # requests a batch due by count alone takes (0: all)
+        self.chunk = int(chunk)  # requests a batch due by its count or for maps takes (0: all)
         self.req_ids: list[str] = []  # every finished id of the steps held (the per-id cleanups take them)
         self.finished: list[Any] = []  # their FinishedRequest records (the ones with a capture to make)
-        self.maps = False  # one of them was planned for maps
         self._is_maps: list[bool] = []  # per record of ``finished``: planned for maps
         self._held: set[int] = set()  # the held requests' block ids (a set: a step looks up a few blocks)
         self._age = 0  # steps since the oldest held one finished
@@ -55,6 +54,11 @@ class DeferredFinish:
 
     def __len__(self) -> int:
         return len(self.req_ids)
+
+    @property
+    def maps(self) -> bool:
+        """One of them was planned for maps."""
+        return any(self._is_maps)
 
     def add(self, req_ids: Iterable[str], finished: Sequence[Any], maps: bool | Sequence[bool] = False) -> None:
         """This step's finished ids, and the records of those with a capture to make (``block_ids`` per
@@ -70,7 +74,6 @@ class DeferredFinish:
         self.req_ids.extend(ids)
         self.finished.extend(finished)
         self._is_maps.extend(flags)
-        self.maps = self.maps or any(flags)
         held = self._held
         for f in finished:
             held.update(itertools.chain.from_iterable(f.block_ids))
@@ -123,13 +126,12 @@ class DeferredFinish:
             self.req_ids = [r for r in self.req_ids if r in later]
             self.finished = rest
             self._is_maps = [False] * len(rest)
-            self.maps = False
             self._held = set(itertools.chain.from_iterable(b for f in rest for b in f.block_ids))
             self.batches += 1
             return ids, now
         ids, finished = self.req_ids, self.finished
         self._held.clear()
-        self.req_ids, self.finished, self.maps, self._is_maps = [], [], False, []
+        self.req_ids, self.finished, self._is_maps = [], [], []
         self.batches += 1
         return ids, finished
 

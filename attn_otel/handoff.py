@@ -160,8 +160,6 @@ class Handoff:
             try:
                 if self._closing and time.monotonic() > self._closing:  # a hung store must not hang exit
                     self.stats.add("dropped", len(jobs), reason="shutdown")
-                elif len(jobs) == 1:
-                    self._writers.write(jobs[0])
                 else:
                     self._writers.write_many(jobs)
             finally:

@@ -89,10 +89,10 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
             fanout = None
         stdout.write(json.dumps({"ready": True}) + "\n")
         stdout.flush()
-    state = {"fanout": fanout}
 
     def one(msg: dict, shm) -> dict:
         """Store and export one capture whose arrays are in ``shm`` (and in their own segments where named)."""
+        nonlocal fanout
         msg_id = msg.get("id")
         extra: list = []
         views: dict = {}
@@ -113,10 +113,10 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
                 metrics = {}
             rec = CaptureRecord(**msg["record"], token_ids=views.get("token_ids"), maps=views.get("maps"),
                                 vision_mask=views.get("vision_mask"), metrics=metrics)
-            if state["fanout"] is None:
-                state["fanout"] = build_exporters(_config(store_url, config_json))
+            if fanout is None:
+                fanout = build_exporters(_config(store_url, config_json))
             item = ExportItem(rec, latency_s=float(msg.get("latency_s", 0.0)), _summary=summary)
-            errors = state["fanout"].export(item)
+            errors = fanout.export(item)
             reply = {"id": msg_id, "ok": True, "bytes": item.bytes_written, "errors": errors,
                      "complete": item.complete, "maps_stored": bool(item.maps_stored)}
             del per_row, metrics, rec, item
@@ -154,7 +154,6 @@ def serve(store_url: str, stdin=None, stdout=None, config_json: str | None = Non
                     pass
         stdout.write(json.dumps(reply) + "\n")
         stdout.flush()
-    fanout = state["fanout"]
     if fanout is not None:
         fanout.shutdown()
 

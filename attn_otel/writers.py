@@ -59,22 +59,22 @@ class WriterPool:
                 ready.append((job, *self._prepare(job)))
             except Exception as e:  # noqa: BLE001
                 self._failed(job, e)
-        together = [r for r in ready if r[0].maps is None] if self.config.writer == "process" else []
-        if len(together) > 1:
-            try:
-                replies = self._write_many_in_process(together)
-            except Exception as e:  # noqa: BLE001 - the writer died or hung: every job of the message
-                replies = [e] * len(together)
-            for (job, *_), reply in zip(together, replies):
+        if self.config.writer != "process":
+            for job, rec, names, latency in ready:
+                try:
+                    reply = self._write_in_thread(rec, job, names, latency)
+                except Exception as e:  # noqa: BLE001
+                    reply = e
                 self._settle(job, reply)
-            ready = [r for r in ready if r[0].maps is not None]
-        for job, rec, names, latency in ready:
+            return
+        together = [r for r in ready if r[0].maps is None]  # in one message; each with maps in one of its own
+        for items in ([together] if together else []) + [[r] for r in ready if r[0].maps is not None]:
             try:
-                reply = (self._write_in_process(rec, job, names, latency) if self.config.writer == "process"
-                         else self._write_in_thread(rec, job, names, latency))
-            except Exception as e:  # noqa: BLE001
-                reply = e
-            self._settle(job, reply)
+                replies = self._send(items)
+            except Exception as e:  # noqa: BLE001 - the writer died or hung: every job of the message
+                replies = [e] * len(items)
+            for (job, *_), reply in zip(items, replies):
+                self._settle(job, reply)
 
     def _prepare(self, job: Job) -> tuple[CaptureRecord, list[str], float]:
         """The job's record once its device work is done, the metric names it has, and its latency so far."""
@@ -149,20 +149,10 @@ class WriterPool:
         return {"ok": True, "bytes": item.bytes_written, "errors": errors, "complete": item.complete,
                 "maps_stored": bool(item.maps_stored)}
 
-    def _write_in_process(self, rec: CaptureRecord, job: Job, names: list[str], latency: float) -> dict:
-        """Hand the capture to the writer process: arrays through one shared-memory segment, the rest as
-        one JSON line; block this (writer-feeding) thread, not the engine, until it answers."""
-        reply = self._send([(job, rec, names, latency)], batch=False)[0]
-        if not reply.get("ok"):
-            raise RuntimeError(f"writer process: {reply.get('error')}")
-        return reply
-
-    def _write_many_in_process(self, items: list[tuple[Job, CaptureRecord, list[str], float]]) -> list[dict]:
-        """Several captures (none with maps) in one message: their arrays in one segment, one JSON line holding
-        each one's message, one answer holding each one's reply."""
-        return self._send(items, batch=True)
-
-    def _send(self, items: list[tuple[Job, CaptureRecord, list[str], float]], batch: bool) -> list[dict]:
+    def _send(self, items: list[tuple[Job, CaptureRecord, list[str], float]]) -> list[dict]:
+        """Hand the captures to this thread's writer process, blocking this (writer-feeding) thread, not the
+        engine, until it answers: their arrays through one shared-memory segment, the rest as one JSON line (a
+        capture's message, or several in ``{"shm", "batch"}``); returns the writer's reply for each capture."""
         from multiprocessing import shared_memory
 
         packed, offset = [], 0
@@ -203,7 +193,7 @@ class WriterPool:
                     layout["maps"] = [0, list(job.maps.shape), "float16", job.maps_seg.name]
                 msgs.append({"id": id(job), "shm": shm.name, "record": meta, "arrays": layout,
                              "metrics": {name: METRICS.index(name) for name in names}, "latency_s": latency})
-            if not batch:
+            if len(msgs) == 1:
                 return [self._call(json.dumps(msgs[0]))]
             reply = self._call(json.dumps({"shm": shm.name, "batch": msgs}), len(msgs))
             replies = reply.get("batch")
