@@ -323,7 +323,8 @@ class MetricsStream:
         self._next = 0
         self.flushes = self.flushed_rows = 0
         self.flush_times: collections.deque[float] = collections.deque(maxlen=10_000)  # seconds (see _flush)
-        self.host_s = 0.0  # engine-loop time spent here (schedule and flush)
+        self.host_s = 0.0  # engine-loop time spent here (schedule and flush; a flush inside a schedule once)
+        self._timing = False  # a schedule or flush is being timed: a flush it calls adds no time of its own
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -404,10 +405,22 @@ class MetricsStream:
         ``total``, every token of the forward that has a slot (default: the items' tokens; the forward takes
         a ring row for each, captured or not).  Counts them as pending, flushing first what the forward's
         rows would otherwise overwrite (one short Python step per request; nothing goes to the device)."""
+        with self._timed():
+            self._schedule([it for it in items if it[3] > 0], total)
+
+    @contextlib.contextmanager
+    def _timed(self):
+        """Add the block's time to ``host_s``, unless it runs inside another timed block (a flush the schedule
+        calls), whose time already holds it."""
+        if self._timing:
+            yield
+            return
+        self._timing = True
         t0 = time.perf_counter()
         try:
-            self._schedule([it for it in items if it[3] > 0], total)
+            yield
         finally:
+            self._timing = False
             self.host_s += time.perf_counter() - t0
 
     def _schedule(self, items: list, total: int | None) -> None:
@@ -507,11 +520,8 @@ class MetricsStream:
 
     def flush(self, lives: Sequence[_Live]) -> None:
         """Compute these requests' pending rows (one kernel launch per streamed layer) and free their rows."""
-        t0 = time.perf_counter()
-        try:
-            self._flush(lives, t0)
-        finally:
-            self.host_s += time.perf_counter() - t0
+        with self._timed():
+            self._flush(lives, time.perf_counter())
 
     def _flush(self, lives: Sequence[_Live], t0: float) -> None:
         lives = sorted((lv for lv in lives if lv.count), key=lambda lv: lv.idx)

@@ -362,6 +362,28 @@ def test_the_flush_at_half_the_ring_waits_for_the_forward_unless_the_forward_wou
         toy.check("d", toy.step([], finished=["d"])["d"])
 
 
+def test_host_time_counts_a_flush_inside_a_schedule_once(monkeypatch):
+    """``host_s`` is the engine loop's time in the stream: a half-ring flush that a schedule runs is inside the
+    schedule's own time, not added again.  A fake clock moves only in the flushes (1 s each)."""
+    import attn_otel.stream as stream_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(stream_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    flush = MetricsStream._flush
+    calls = []
+
+    def timed_flush(self, lives, t0):
+        calls.append(self.flush_due)
+        clock[0] += 1.0
+        return flush(self, lives, t0)
+
+    monkeypatch.setattr(MetricsStream, "_flush", timed_flush)
+    toy = Toy(16)  # every half-ring flush in the schedule (no defer_flush)
+    _three_requests(toy)
+    assert toy.flushed_before >= 2 and len(calls) > toy.flushed_before  # in schedules, and at finish
+    assert toy.stream.host_s == pytest.approx(len(calls))
+
+
 def test_a_spilled_last_block_outlives_its_reuse(device):
     """A finished request's last block, copied to a spill block (attn_otel.spill) once its pending rows are
     flushed, goes straight to another request (as vLLM hands out a block with no prefix hash), whose rows there
