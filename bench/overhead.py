@@ -196,6 +196,7 @@ def _run_workload(llm, name: str, maps_fraction: float, seed: int):
 
 
 STATS_WAIT_S = 1.5  # the engine core rewrites its stats file every second (attn_otel.capture)
+DRAIN_TIMEOUT_S = 60.0  # the longest wait for a warm-up's captures to be written (bench.overhead.drain)
 DEVICE_PARTS = ("stream_device_s", "stream_direct_device_s", "finish_device_s")
 # The online report: each configuration's medians over its runs (and capture off's), and the ratios to off's
 ONLINE_MEDIANS = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tpot_p50_s",
@@ -210,6 +211,25 @@ def _latest_stats(stats_dir: Path) -> dict:
         return json.loads(files[-1].read_text()) if files else {}
     except (OSError, ValueError):  # replaced atomically, so only a file gone since the glob
         return {}
+
+
+def drain(stats_dir: Path, capturing: bool, timeout_s: float = DRAIN_TIMEOUT_S) -> float | None:
+    """Wait until the engine's captures so far are written or dropped (its stats file's ``stored`` and
+    ``dropped`` reach ``captured``), at least :data:`STATS_WAIT_S` (the file is rewritten every second; capture
+    off: that pause alone, so that every phase pauses alike).  Returns the seconds waited, or None where the
+    backlog was still there after ``timeout_s`` (the measurement then goes on; the figure says so)."""
+    t0 = time.perf_counter()
+    time.sleep(STATS_WAIT_S)
+    if not capturing:
+        return round(time.perf_counter() - t0, 2)
+    while True:
+        snap = _latest_stats(stats_dir)
+        done = int(snap.get("stored", 0)) + sum(int(v) for v in (snap.get("dropped") or {}).values())
+        if snap and done >= int(snap.get("captured", 0)):
+            return round(time.perf_counter() - t0, 2)
+        if time.perf_counter() - t0 > timeout_s:
+            return None
+        time.sleep(0.5)
 
 
 def capture_delta(before: dict, after: dict, serving_s: float) -> dict:
@@ -423,9 +443,13 @@ def _attn_otel_origin(env: dict) -> str:
         return f"unknown ({e})"
 
 
-def run_online(phase: str, out: Path, repeats: int) -> dict:
+def run_online(phase: str, out: Path, repeats: int, warm_runs: int = 1, per_run: bool = False) -> dict:
     """The online workload for ``phase``: its own OpenAI server; the capacity from DIR/online-off.json (the
-    off phase measures it, so run it first)."""
+    off phase measures it, so run it first).  After a light load, ``warm_runs`` whole runs at the measured rate
+    (other seeds) warm it up; then, with capture on, the measurement waits until the warm-up's captures are
+    written (:func:`drain`): run 48's first measured run after a quarter-length warm-up was far out (TTFT p99
+    x1.96, ITL p99 x1.74, the later runs within 4%), a backlog the warm-up left.  ``per_run``: the same wait
+    (capture off: the same pause) before each measured run too."""
     model = _model_dir()
     online.add_tokenizer(model, MODELS[MODEL[0]]["vocab_size"])
     stats_dir = Path(tempfile.mkdtemp(prefix=f"attn-otel-stats-online-{phase}-"))
@@ -454,9 +478,15 @@ def run_online(phase: str, out: Path, repeats: int) -> dict:
         else:
             result["capacity_req_s"] = json.loads((out / "online-off.json").read_text())["capacity_req_s"]
         rate = online.LOAD * result["capacity_req_s"]
-        online.run_load(rate, seed=97, n=online.REQUESTS // 4)  # warm-up at the measured rate
+        for i in range(max(1, warm_runs)):  # warm-up at the measured rate
+            online.run_load(rate, seed=97 - i)
+        result["warm_runs"] = max(1, warm_runs)
+        result["drain_s"] = [drain(stats_dir, bool(PHASE_ENV[phase]))]
         with online.HostProfile(proc.pid, out / f"pyspy-online-{phase}.txt"):  # with BENCH_PYSPY set
-            result["runs"] = [online.run_load(rate, seed=s) for s in range(repeats)]
+            for s in range(repeats):
+                if per_run and s:
+                    result["drain_s"].append(drain(stats_dir, bool(PHASE_ENV[phase])))
+                result["runs"].append(online.run_load(rate, seed=s))
         for r in result["runs"]:
             print(f"[online {phase}] {r['output_tokens_per_s']:.0f} tok/s, TTFT p99 {r['ttft_p99_s']:.3f} s, "
                   f"ITL p99 {r['itl_p99_s'] * 1000:.1f} ms, goodput {r['goodput_req_s']:.2f} req/s", flush=True)
@@ -640,10 +670,12 @@ def main(argv=None) -> int:
                     help="with --engine-profile: start the trace this many engine steps into the run")
     ap.add_argument("--per-run", action="store_true",
                     help="pause before each measured run and after the last (every phase) and keep each run's own "
-                         "capture delta (run_deltas: the warm-up's first)")
+                         "capture delta (run_deltas: the warm-up's first); online: wait before each measured run "
+                         "until the captures so far are written (drain_s)")
     ap.add_argument("--warm-runs", type=int, default=1,
                     help="warm-up runs of each workload before the measured ones (2: whether the first measured run "
-                         "pays a one-time cost, such as the writer processes starting on the first captures)")
+                         "pays a one-time cost, such as the writer processes starting on the first captures); online: "
+                         "whole runs at the measured rate, then a wait until their captures are written")
     ap.add_argument("--profile-warm-runs", type=int, choices=[1, 2], default=2,
                     help="with --engine-profile: workload runs before the one profiled")
     args = ap.parse_args(argv)
@@ -667,7 +699,7 @@ def main(argv=None) -> int:
     for phase in args.phase:
         run_phase(phase, args.out, args.repeats, args.workload or list(WORKLOADS), args.warm_runs, args.per_run)
     for phase in args.online:
-        run_online(phase, args.out, args.repeats)
+        run_online(phase, args.out, args.repeats, args.warm_runs, args.per_run)
     if args.report:
         doc = report(args.out, args.device, args.vllm_version)
         print(json.dumps({"workloads": {k: v["ratios"] for k, v in doc["workloads"].items()},

@@ -150,3 +150,31 @@ def test_a_merged_phase_file_pairs_each_cell_with_the_capture_off_run_of_its_own
     rows = {line.split(" | ")[0].strip("| "): line for line in (tmp_path / "overhead-table.md").read_text().splitlines()}
     assert "all layers: H200 GPU-2db2aa07, 2026-12-02" in rows["mixed"] and "default: " in rows["mixed"]
     assert "GPU-2db2aa07" not in rows["8k+128"] and "; " not in rows["8k+128"]
+
+
+def _stats_file(stats_dir: Path, **snap) -> None:
+    import json
+    import os
+
+    tmp = stats_dir / "attn-otel-stats-1.json.tmp"
+    tmp.write_text(json.dumps(snap))
+    os.replace(tmp, stats_dir / "attn-otel-stats-1.json")  # as the engine writes it: replaced whole
+
+
+def test_the_online_measurement_waits_until_the_warm_ups_captures_are_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(overhead, "STATS_WAIT_S", 0.05)
+    _stats_file(tmp_path, captured=10, stored=6, dropped={"queue_full": 1})  # 3 still on their way
+    timer = threading.Timer(0.6, _stats_file, (tmp_path,), dict(captured=10, stored=9, dropped={"queue_full": 1}))
+    timer.start()
+    try:
+        waited = overhead.drain(tmp_path, capturing=True, timeout_s=20)
+    finally:
+        timer.cancel()
+    assert waited is not None and 0.6 <= waited < 20
+
+
+def test_a_backlog_that_outlasts_the_timeout_is_reported_not_waited_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(overhead, "STATS_WAIT_S", 0.05)
+    _stats_file(tmp_path, captured=10, stored=2, dropped={})
+    assert overhead.drain(tmp_path, capturing=True, timeout_s=0.3) is None
+    assert overhead.drain(tmp_path, capturing=False, timeout_s=0.3) == pytest.approx(0.05, abs=0.2)  # capture off
