@@ -405,23 +405,8 @@ class MetricsStream:
         ``total``, every token of the forward that has a slot (default: the items' tokens; the forward takes
         a ring row for each, captured or not).  Counts them as pending, flushing first what the forward's
         rows would otherwise overwrite (one short Python step per request; nothing goes to the device)."""
-        with self._timed():
+        with _timed(self):
             self._schedule([it for it in items if it[3] > 0], total)
-
-    @contextlib.contextmanager
-    def _timed(self):
-        """Add the block's time to ``host_s``, unless it runs inside another timed block (a flush the schedule
-        calls), whose time already holds it."""
-        if self._timing:
-            yield
-            return
-        self._timing = True
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._timing = False
-            self.host_s += time.perf_counter() - t0
 
     def _schedule(self, items: list, total: int | None) -> None:
         self.direct.settle()
@@ -520,7 +505,7 @@ class MetricsStream:
 
     def flush(self, lives: Sequence[_Live]) -> None:
         """Compute these requests' pending rows (one kernel launch per streamed layer) and free their rows."""
-        with self._timed():
+        with _timed(self):
             self._flush(lives, time.perf_counter())
 
     def _flush(self, lives: Sequence[_Live], t0: float) -> None:
@@ -569,6 +554,22 @@ def gather(st: MetricsStream, slots: torch.Tensor, positions: torch.Tensor) -> t
     local = st._local
     return full_rows(st.metrics.index_select(1, slots), st._full_at, st.width, positions,
                      st._window if local else None, st._chunk if local else None)
+
+
+@contextlib.contextmanager
+def _timed(stream: MetricsStream):
+    """Add the block's time to the stream's ``host_s``, unless it runs inside another timed block (a flush the
+    schedule calls), whose time already holds it."""
+    if stream._timing:
+        yield
+        return
+    stream._timing = True
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        stream._timing = False
+        stream.host_s += time.perf_counter() - t0
 
 
 def _settled(st: MetricsStream, req_id: str | None = None, leave: bool = False) -> _Live | None:
