@@ -26,7 +26,7 @@ def requests(name: str, seed: int) -> list[tuple[list[int], int]]:
         return [(rng.integers(*VOCAB, plen).tolist(), olen) for _ in range(n)]
     if name != "mixed":
         raise ValueError(f"unknown workload {name!r}")
-    system = [np.random.default_rng(7 + i).integers(*VOCAB, 1000).tolist() for i in range(4)]  # same every run
+    system = system_prompts()
     out = []
     for i in range(384):
         if i % 32 == 31:
@@ -39,6 +39,11 @@ def requests(name: str, seed: int) -> list[tuple[list[int], int]]:
             prompt = system[int(rng.integers(4))] + prompt
         out.append((prompt, olen))
     return out
+
+
+def system_prompts() -> list[list[int]]:
+    """The mixed workload's four 1,000-token system prompts: the same in every run."""
+    return [np.random.default_rng(7 + i).integers(*VOCAB, 1000).tolist() for i in range(4)]
 
 
 def summary(name: str) -> dict:
