@@ -324,7 +324,7 @@ class MetricsStream:
         self.flushes = self.flushed_rows = 0
         self.flush_times: collections.deque[float] = collections.deque(maxlen=10_000)  # seconds (see _flush)
         self.host_s = 0.0  # engine-loop time spent here (schedule and flush; a flush inside a schedule once)
-        self._timing = False  # a schedule or flush is being timed: a flush it calls adds no time of its own
+        self._timing = False  # a schedule is being timed: a flush it calls adds no time of its own
 
     # ------------------------------------------------------------------ sizes
     @staticmethod
@@ -405,8 +405,12 @@ class MetricsStream:
         ``total``, every token of the forward that has a slot (default: the items' tokens; the forward takes
         a ring row for each, captured or not).  Counts them as pending, flushing first what the forward's
         rows would otherwise overwrite (one short Python step per request; nothing goes to the device)."""
-        with _timed(self):
+        t0, self._timing = time.perf_counter(), True  # a flush it runs adds no time of its own
+        try:
             self._schedule([it for it in items if it[3] > 0], total)
+        finally:
+            self._timing = False
+            self.host_s += time.perf_counter() - t0
 
     def _schedule(self, items: list, total: int | None) -> None:
         self.direct.settle()
@@ -505,8 +509,12 @@ class MetricsStream:
 
     def flush(self, lives: Sequence[_Live]) -> None:
         """Compute these requests' pending rows (one kernel launch per streamed layer) and free their rows."""
-        with _timed(self):
-            self._flush(lives, time.perf_counter())
+        t0 = time.perf_counter()
+        try:
+            self._flush(lives, t0)
+        finally:
+            if not self._timing:  # (inside a schedule, whose time holds it)
+                self.host_s += time.perf_counter() - t0
 
     def _flush(self, lives: Sequence[_Live], t0: float) -> None:
         lives = sorted((lv for lv in lives if lv.count), key=lambda lv: lv.idx)
@@ -554,22 +562,6 @@ def gather(st: MetricsStream, slots: torch.Tensor, positions: torch.Tensor) -> t
     local = st._local
     return full_rows(st.metrics.index_select(1, slots), st._full_at, st.width, positions,
                      st._window if local else None, st._chunk if local else None)
-
-
-@contextlib.contextmanager
-def _timed(stream: MetricsStream):
-    """Add the block's time to the stream's ``host_s``, unless it runs inside another timed block (a flush the
-    schedule calls), whose time already holds it."""
-    if stream._timing:
-        yield
-        return
-    stream._timing = True
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        stream._timing = False
-        stream.host_s += time.perf_counter() - t0
 
 
 def _settled(st: MetricsStream, req_id: str | None = None, leave: bool = False) -> _Live | None:
