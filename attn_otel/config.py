@@ -156,12 +156,20 @@ scheduled request goes through the tracker, the stream's schedule and the block 
 ATTN_OTEL_FINISH_BATCH_STEPS = "ATTN_OTEL_FINISH_BATCH_STEPS"
 """Engine steps a finished request's capture work may wait, to be done with other finished requests' in one
 batch (:mod:`attn_otel.deferred`): it is done sooner where vLLM gives one of the request's blocks to another
-request, where the engine goes idle, for a request planned for maps, or at 64 waiting.  ``0``: in the step the
-request finishes.  Default ``16``."""
+request, where the engine goes idle, for a request planned for maps, or at ``ATTN_OTEL_FINISH_BATCH_REQUESTS``
+waiting.  ``0``: in the step the request finishes.  Default ``16``."""
+
+ATTN_OTEL_FINISH_BATCH_REQUESTS = "ATTN_OTEL_FINISH_BATCH_REQUESTS"
+"""Finished requests waiting that make their finish batch due (:mod:`attn_otel.deferred`, the count rule): a bound
+on the capture work one step takes on, and on the blocks held for it.  Lock-stepped requests (a fixed-length
+workload, a burst) finish in groups as the batch empties, where the forwards are short: run 50's profile of
+512+256 found the GPU idle 5-12 ms before and in each tail step that took a batch of 64.  A larger count leaves
+such a tail's captures to the age rule or the step that goes idle; whether that is faster is for the benchmark
+(``bench/overhead.py``'s phases ``default-batch256`` and ``default-batch32``) to say.  Default ``64``."""
 
 ATTN_OTEL_FINISH_BATCH_CHUNK = "ATTN_OTEL_FINISH_BATCH_CHUNK"
-"""Requests a finish batch takes where their count (64 waiting) or a request planned for maps makes it due:
-every one planned for maps and the oldest others, this many in all, the rest in a later step
+"""Requests a finish batch takes where their count (``ATTN_OTEL_FINISH_BATCH_REQUESTS``) or a request planned for
+maps makes it due: every one planned for maps and the oldest others, this many in all, the rest in a later step
 (:mod:`attn_otel.deferred`), so that requests finishing together as the batch empties, where the forwards are
 short, do not hold the engine loop past a forward.  The other reasons (a block given out again, the engine going
 idle, age) take them all.  ``0`` (default): all of them.  Run 50 (H200, 512+256, one call) measured ``32`` at
@@ -381,6 +389,7 @@ class Config:
     event_wait: str = "sleep"
     finish_batch_steps: int = 16
     finish_batch_chunk: int = 0
+    finish_batch_requests: int = 64
     after_launch: bool = True
     # where work after the launch runs (ATTN_OTEL_AFTER_LAUNCH): "execute", as vLLM's execute_model returns (the
     # forward enqueued); "sample", after the step's sample_tokens (the sampler enqueued too); "output", after the
@@ -430,6 +439,8 @@ class Config:
                                                1024)
         values["finish_batch_chunk"] = _number(env, ATTN_OTEL_FINISH_BATCH_CHUNK, d.finish_batch_chunk, int, 0,
                                                1 << 20)
+        values["finish_batch_requests"] = _number(env, ATTN_OTEL_FINISH_BATCH_REQUESTS, d.finish_batch_requests,
+                                                  int, 1, 1 << 20)
         at = _choice(env, ATTN_OTEL_AFTER_LAUNCH, ("0", "1", "sample", "output"), "1")
         values["after_launch"] = at != "0"
         values["after_launch_at"] = at if at in ("sample", "output") else "execute"

@@ -1013,7 +1013,8 @@ def _install(runner, kv_cache_config) -> None:
                            attrs={"attention_impl": backend, "layer_kinds": _layer_kinds(runner, specs)}, parallel=par, stream=stream, map_layers=maps,
                            map_tap_rows=_map_tap_rows(config), block_sizes=block_sizes)
     engine.tracker = RequestTracker()
-    engine.deferred = DeferredFinish(config.finish_batch_steps, chunk=config.finish_batch_chunk)
+    engine.deferred = DeferredFinish(config.finish_batch_steps, config.finish_batch_requests,
+                                     config.finish_batch_chunk)
     engine.after_launch = None  # (ids, records) of a finish batch left for after the forward's launch
     engine.shadow = None
     engine.steady = None

@@ -161,6 +161,8 @@ def test_blank_store_falls_back_to_the_default():
     ("ATTN_OTEL_HOLD_FINISHED", "yes", "hold_finished"),
     ("ATTN_OTEL_FINISH_BATCH_CHUNK", "-1", "finish_batch_chunk"),
     ("ATTN_OTEL_FINISH_BATCH_CHUNK", "half", "finish_batch_chunk"),
+    ("ATTN_OTEL_FINISH_BATCH_REQUESTS", "0", "finish_batch_requests"),
+    ("ATTN_OTEL_FINISH_BATCH_REQUESTS", "many", "finish_batch_requests"),
     ("ATTN_OTEL_STREAM_DIRECT", "yes", "stream_direct"),
 ])
 def test_bad_value_warns_and_falls_back(caplog, name, value, field):
@@ -415,6 +417,11 @@ def test_map_layers_and_stream_rows():
     assert resolve_map_layers("auto", (3, 5, 7, 9, 11, 13)) == (3, 7, 9, 13)
     assert resolve_map_layers("all", (1, 2)) == (1, 2)
     assert resolve_map_layers((0, 16, 40), range(32)) == (0, 16)  # only captured layers
+
+
+def test_finish_batch_requests_default_and_set():
+    assert Config().finish_batch_requests == 64  # the count rule of attn_otel.deferred, as before it was a variable
+    assert Config.from_env({"ATTN_OTEL_FINISH_BATCH_REQUESTS": "256"}).finish_batch_requests == 256
 
 
 def test_finish_batch_chunk_default_and_zero():

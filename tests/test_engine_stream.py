@@ -37,9 +37,9 @@ model = sys.argv[1]
 llm = LLM(model=model, max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, enable_prefix_caching=True,
           block_size=32, num_gpu_blocks_override=int(os.environ["BLOCKS"]) or None, seed=0,
           dtype="float32", compilation_config={"mode": 0, "custom_ops": ["none"]})  # see _run
-if os.environ.get("FINISH_BATCH_MAX"):  # a count that 8 requests reach: batches taken a chunk at a time
+if os.environ.get("ATTN_OTEL_FINISH_BATCH_REQUESTS"):  # the count the engine's batches are due at (a config)
     (eng0,) = vllm_adapter.engines()
-    eng0.deferred.max_requests = int(os.environ["FINISH_BATCH_MAX"])
+    assert eng0.deferred.max_requests == int(os.environ["ATTN_OTEL_FINISH_BATCH_REQUESTS"])
 rng = np.random.default_rng(0)
 shared = rng.integers(100, 40000, 150).tolist()
 batches = [
@@ -109,7 +109,7 @@ def _run(smollm2_path, d: Path, blocks: int, extra: dict | None = None):
 # the two engines' KV caches (blocks of 32 tokens; 0: vLLM's own, about 1,400)
 _BLOCKS = {"streamed_run": 20, "held_run": 0}
 # the held engine's finish batches are due at 3 waiting, and such a batch takes the oldest 2 (attn_otel.deferred)
-_EXTRA = {"held_run": {"FINISH_BATCH_MAX": "3", "ATTN_OTEL_FINISH_BATCH_CHUNK": "2"}}
+_EXTRA = {"held_run": {"ATTN_OTEL_FINISH_BATCH_REQUESTS": "3", "ATTN_OTEL_FINISH_BATCH_CHUNK": "2"}}
 
 
 @pytest.fixture(scope="module")
