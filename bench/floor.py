@@ -30,16 +30,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import workloads
+from overhead import LLAMA3_8B
 
-# Llama-3-8B (the benchmark's dummy-weight model)
-LAYERS, HQ, HKV, D, HIDDEN, FFN, VOCAB = 32, 32, 8, 128, 4096, 14336, 128256
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's attn_otel (as kv_capacity.py)
+from attn_otel.config import AUTO_LAYERS  # noqa: E402
+
+# the shape bench/overhead.py serves (its config.json, dummy weights)
+LAYERS, HQ, HKV, D, HIDDEN, FFN, VOCAB = (LLAMA3_8B[k] for k in (
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+    "intermediate_size", "vocab_size"))
 LINEAR_PER_TOKEN = 2 * LAYERS * (HIDDEN * (HQ + 2 * HKV) * D + HQ * D * HIDDEN + 3 * HIDDEN * FFN)
 LM_HEAD_PER_TOKEN = 2 * HIDDEN * VOCAB
-DEFAULT_LAYERS = 4  # ATTN_OTEL_LAYERS=auto on 32 layers
-RING_HALF = 8192 // 2  # the stream's flush at half the query ring
+DEFAULT_LAYERS = AUTO_LAYERS  # ATTN_OTEL_LAYERS=auto
+# the stream's flush at half the query ring of attn_otel.stream.DEFAULT_ROWS rows (not imported: that module needs
+# torch, this script does not; tests/test_floor_bench.py checks the two agree)
+RING_HALF = 8192 // 2
 # H200 SXM: 132 SMs at 1.98 GHz, 16 exponentials (MUFU.EX2) a clock a SM; dense bf16 989 TFLOP/s by the data sheet,
 # about 790 measured (the device tool's KINDS notes); HBM3e 4.8 TB/s
 SMS, CLOCK_HZ, EXP_PER_CLOCK = 132, 1.98e9, 16
@@ -52,6 +61,7 @@ def count(name: str) -> dict:
     c = len(reqs)  # every request of these workloads runs at once (vLLM's 1,024 sequences; the KV cache holds them)
     systems = workloads.system_prompts() if name == "mixed" else []
     cached: set[int] = set()  # the system prompts some request already computed
+    per_flush = max(1, RING_HALF // c)  # a request's generated rows between two reads of its keys
     prompt_evals = decode_evals = computed = sampled = key_bytes = 0
     for prompt, out in reqs:
         n = len(prompt)
@@ -67,7 +77,6 @@ def count(name: str) -> dict:
         decode_evals += sum(n + j + 1 for j in range(gen)) * HQ
         computed += len(rows) + gen
         sampled += out
-        per_flush = max(1, RING_HALF // c)
         flushes = -(-gen // per_flush)
         key_bytes += sum(n + min(gen, (f + 1) * per_flush) for f in range(flushes)) * HKV * D * 2
     return {"requests": len(reqs), "prompt_evaluations": prompt_evals, "decode_evaluations": decode_evals,
@@ -95,6 +104,15 @@ def floors(name: str, off_wall_s: float | None, tflops: float, tbps: float) -> d
     return out
 
 
+def _read(path: Path) -> dict:
+    """A measured run's JSON, or ``{}`` where there is none."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench", type=Path, default=Path("docs/benchmarks"),
@@ -103,8 +121,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tflops", type=float, default=790.0, help="the device's dense bf16 TFLOP/s")
     ap.add_argument("--tbps", type=float, default=4.8, help="the device's memory TB/s")
     args = ap.parse_args(argv)
-    off = json.loads((args.bench / "phase-off.json").read_text()) if (args.bench / "phase-off.json").exists() else {}
-    report = json.loads((args.bench / "overhead.json").read_text()) if (args.bench / "overhead.json").exists() else {}
+    off, report = _read(args.bench / "phase-off.json"), _read(args.bench / "overhead.json")
     result = {"model": "Llama-3-8B shape", "device_peaks": {"tflops": args.tflops, "tbps": args.tbps, "sms": SMS,
                                                             "clock_hz": CLOCK_HZ, "exp_per_clock_sm": EXP_PER_CLOCK},
               "workloads": {}}
@@ -118,12 +135,11 @@ def main(argv=None) -> dict:
         f["measured"] = {"ratios": got.get("ratios"), "gpu_share": got.get("gpu_share")}
         result["workloads"][name] = f
         r, g = got.get("ratios") or {}, got.get("gpu_share") or {}
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         rows.append(f"| {name} | {f['all_layers']['metric_share_of_model_flops']:.1%} | "
-                    f"{fmt(f['default']['at_model_efficiency'])} / {fmt(f['all_layers']['at_model_efficiency'])} | "
-                    f"{fmt(f['default']['at_peak'])} / {fmt(f['all_layers']['at_peak'])} | "
-                    f"{fmt(r.get('default'))} / {fmt(r.get('all_layers'))} "
-                    f"({fmt(g.get('default'))} / {fmt(g.get('all_layers'))}) |")
+                    f"{_fmt(f['default']['at_model_efficiency'])} / {_fmt(f['all_layers']['at_model_efficiency'])} | "
+                    f"{_fmt(f['default']['at_peak'])} / {_fmt(f['all_layers']['at_peak'])} | "
+                    f"{_fmt(r.get('default'))} / {_fmt(r.get('all_layers'))} "
+                    f"({_fmt(g.get('default'))} / {_fmt(g.get('all_layers'))}) |")
     print("\n".join(rows))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -482,14 +482,15 @@ def run_online(phase: str, out: Path, repeats: int, warm_runs: int = 1, per_run:
         else:
             result["capacity_req_s"] = json.loads((out / "online-off.json").read_text())["capacity_req_s"]
         rate = online.LOAD * result["capacity_req_s"]
-        for i in range(max(1, warm_runs)):  # warm-up at the measured rate
-            online.run_load(rate, seed=97 - i)
         result["warm_runs"] = max(1, warm_runs)
-        result["drain_s"] = [drain(stats_dir, bool(PHASE_ENV[phase]))]
+        for i in range(result["warm_runs"]):  # warm-up at the measured rate
+            online.run_load(rate, seed=97 - i)
+        capturing = bool(PHASE_ENV[phase])
+        result["drain_s"] = [drain(stats_dir, capturing)]
         with online.HostProfile(proc.pid, out / f"pyspy-online-{phase}.txt"):  # with BENCH_PYSPY set
             for s in range(repeats):
                 if per_run and s:
-                    result["drain_s"].append(drain(stats_dir, bool(PHASE_ENV[phase])))
+                    result["drain_s"].append(drain(stats_dir, capturing))
                 result["runs"].append(online.run_load(rate, seed=s))
         for r in result["runs"]:
             print(f"[online {phase}] {r['output_tokens_per_s']:.0f} tok/s, TTFT p99 {r['ttft_p99_s']:.3f} s, "

@@ -11,6 +11,12 @@ import floor  # noqa: E402
 import workloads  # noqa: E402
 
 
+def test_the_half_ring_is_the_streams_own():
+    from attn_otel.stream import DEFAULT_ROWS
+
+    assert floor.RING_HALF * 2 == DEFAULT_ROWS
+
+
 def test_the_fixed_workloads_work_is_the_closed_form():
     got = floor.count("512+256")
     hq, kv_row = 32, 8 * 128 * 2
