@@ -512,22 +512,28 @@ if triton is not None:
         # of SRC2 too, to the same row of DST2 (the tap's query and key in one launch).  With KV, its key and
         # value ([HKV, D] rows) also go to vLLM's paged cache at slot IDX[t] (block IDX[t] // block_size,
         # offset IDX[t] % block_size; nothing for IDX[t] < 0), what vLLM's own KV-cache write would have done.
+        # A row bound for the padding row (row ``pad``, or TABLE[pad] with a table) is not written: nothing
+        # reads it, and in a decode step of the map tap about 99% of the tokens (the unplanned requests') are
+        # bound there, each a program storing the same row.
         t = tl.program_id(0)
         slot = tl.load(IDX + t).to(tl.int64)
         if RING:
             row = tl.where(slot < 0, pad, (tl.load(BASE).to(tl.int64) + t) % ring)
             tl.store(TABLE + tl.maximum(slot, 0), row, mask=slot >= 0)
+            keep = slot >= 0
         else:
             row = tl.where(slot < 0, pad, slot)
+            keep = slot >= 0
             if HAS_TABLE:
                 row = tl.load(TABLE + row).to(tl.int64)
+                keep = row != tl.load(TABLE + pad).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        ok = cols < C
+        ok = (cols < C) & keep
         v = tl.load(SRC + t.to(tl.int64) * src_stride + cols, mask=ok)
         tl.store(DST + row * dst_stride + cols, v.to(DST.dtype.element_ty), mask=ok)
         if PAIRS == 2:
             cols2 = tl.arange(0, BLOCK2)
-            ok2 = cols2 < C2
+            ok2 = (cols2 < C2) & keep
             v2 = tl.load(SRC2 + t.to(tl.int64) * src2_stride + cols2, mask=ok2)
             tl.store(DST2 + row * dst2_stride + cols2, v2.to(DST2.dtype.element_ty), mask=ok2)
         if KV:
@@ -659,7 +665,9 @@ def scatter_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, pad:
     ``src2``, the same rows of ``dst2`` from ``src2`` too.  Graph-safe (the forward's Q/K writes).  ``dst``'s
     rows take ``src``'s rows reshaped to them.  One Triton launch where it applies (CUDA, rows each
     contiguous; torch's index_copy_ is a generic gather-scatter several times slower), and then True; else
-    the same with torch (a lookup and index_copy_ per pair), and False.
+    the same with torch (a lookup and index_copy_ per pair), and False.  The padding row (``pad``, or
+    ``table[pad]``) holds nothing anyone reads: the Triton launch leaves it unwritten (tokens bound there
+    store nothing), torch's path writes whatever token lands last.
 
     ``kv = (key, value, key_cache, value_cache)`` (caches ``[blocks, block_size, Hkv, D]`` views of vLLM's
     paged cache, ``D`` contiguous) adds vLLM's KV-cache write to the same launch: token t's key and value
