@@ -10,8 +10,13 @@ and says when they must be taken (:meth:`DeferredFinish.due`):
 * a block of theirs is among the blocks this step gives a request to write (newly allocated, or past a new
   request's cached prefix): vLLM is reusing it;
 * the step schedules no token: the engine is going idle, and nothing would come back to take them;
-* one of them was planned for maps (the map tap's fixed rows are needed back soon), or there are
-  ``max_requests`` of them, or the oldest has waited ``max_steps`` steps.
+* one of them was planned for maps and this step's planned requests may want more of the map tap's fixed
+  rows than are free (:meth:`attn_otel.tap.MapTap.short`; the held ones' rows come back only with their
+  batch), or there are ``max_requests`` of them, or the oldest has waited ``max_steps`` steps.
+
+A finished maps request used to be taken in the step it finished, rows wanted or not: run 50's 512+256 phases
+took 9 of their 27 batches for it, as many as by the count, most in the run's tail where a batch holds the
+engine loop past a short forward.
 
 Where the count or a request planned for maps says so (and no held block is given out again), the batch is a
 ``chunk`` of them: every one planned for maps and the oldest others, the rest left for a later step.
@@ -78,10 +83,11 @@ class DeferredFinish:
         for f in finished:
             held.update(itertools.chain.from_iterable(f.block_ids))
 
-    def due(self, fresh: np.ndarray | Iterable[Iterable[int]], idle: bool) -> bool:
+    def due(self, fresh: np.ndarray | Iterable[Iterable[int]], idle: bool, rows_short: bool = True) -> bool:
         """Whether the held requests must be taken before this step's forward: ``fresh`` are the block ids
         this step's requests may write that no earlier step gave them (an array, or lists of them);
-        ``idle``: the step schedules no token."""
+        ``idle``: the step schedules no token; ``rows_short``: this step may want map-tap rows that the held
+        maps requests have (only then are they due for being maps requests)."""
         self.reused = False
         self.limit = None
         if not self.req_ids:
@@ -92,7 +98,7 @@ class DeferredFinish:
             self.reused = any(map(self._held.__contains__, ids))  # then the work must come before the forward
         if idle:
             self.reason = "idle"
-        elif self.maps:
+        elif rows_short and self.maps:
             self.reason = "maps"
         elif len(self.finished) >= self.max_requests:
             self.reason = "count"

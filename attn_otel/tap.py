@@ -310,6 +310,28 @@ class MapTap:
             self.row_of_slot.index_copy_(0, pair[0], pair[1])
         self.idle = idle
 
+    def short(self, items: Sequence[tuple[str, Any, int, int]]) -> bool:
+        """Whether this step's tokens (as :meth:`schedule` takes them) may want more rows than are free: an upper
+        bound, each planned request's positions from where its slots are pointed to the end of its last
+        token's block.  Then the finished requests planned for maps that the deferred finish holds must give
+        their rows back before the forward (:mod:`attn_otel.deferred`, the ``maps`` rule); otherwise they can
+        wait like the others."""
+        want = 0
+        bs = self.block_size
+        for req_id, tracked, start, n in items:
+            if n <= 0 or not tracked.maps:
+                continue
+            r = self._reqs.get(req_id)
+            if r is not None and r.lost:
+                continue
+            end = start + n
+            lo = start if r is None else max(start, r.pointed)
+            if end > lo:
+                want += -(-end // bs) * bs - lo
+        if want > len(self._free):
+            self._reclaim()
+        return want > len(self._free)
+
     def _take_rows(self, r: _Planned, lo: int, hi: int) -> bool:
         """Rows for positions ``lo .. hi - 1`` of ``r`` (those without one); False (nothing taken) where the tap
         has too few free rows even after the finish-time gathers done so far gave theirs back."""

@@ -1534,7 +1534,9 @@ def _track(runner, engine, so, t0: float) -> None:
         spill_s = time.perf_counter() - t3
         parts["finished_rows"] += spill_s
     deferred.add(so.finished_req_ids, finished, [t.maps for _, t in done])
-    if deferred.due(fresh, empty):
+    # a held maps request's rows: wanted back before this forward only where its planned tokens may need them
+    short = maptap is None or not deferred.maps or maptap.short(items)
+    if deferred.due(fresh, empty, short):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take(deferred.limit)
         if engine.config.after_launch and not deferred.reused:  # this forward writes none of their blocks

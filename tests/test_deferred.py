@@ -52,6 +52,25 @@ def test_taken_when_the_engine_goes_idle_for_maps_when_old_or_when_many(why):
     assert d.reason == why  # the stats' finish_batch_reasons
 
 
+def test_a_maps_request_waits_like_the_others_while_no_row_of_it_is_wanted():
+    """``rows_short`` False (the map tap has rows for every planned token of the step): a held maps request
+    is taken by the other rules only; the first step that may want its rows takes the batch, for maps."""
+    d = DeferredFinish(max_steps=5, max_requests=8)
+    d.add(["m", "a"], [fin([1]), fin([2])], maps=[True, False])
+    assert [d.due(none(), False, rows_short=False) for _ in range(3)] == [False] * 3
+    assert d.due(none(), False, rows_short=True) and d.reason == "maps"
+    d.take()
+    d.add(["m2"], [fin([3])], maps=True)
+    assert not any(d.due(none(), False, rows_short=False) for _ in range(5))
+    assert d.due(none(), False, rows_short=False) and d.reason == "age"  # the age rule still bounds the wait
+    d.take()
+    d.add(["m3"], [fin([4])], maps=True)
+    assert d.due(np.array([4]), False, rows_short=False) and d.reason == "reuse"  # and the reuse rule
+    d.take()
+    d.add(["m4"], [fin([5])], maps=True)
+    assert d.due(none(), True, rows_short=False) and d.reason == "idle"
+
+
 def test_age_counts_from_the_oldest_held_request():
     d = DeferredFinish(max_steps=2)
     d.add(["a"], [fin([1])])

@@ -161,3 +161,29 @@ def test_a_tap_too_small_for_whole_blocks_still_gives_every_position_a_row(devic
     toy.step([("b", 0, 8), ("c", 0, 8)])  # 16 positions, 10 rows: one of them is lost
     assert toy.maptap.lost == 1
     assert sum(toy.finish(r, 8) is not None for r in ("b", "c")) == 1
+
+
+def test_short_says_when_the_planned_tokens_may_want_more_rows_than_are_free(device):
+    """``short`` (the deferred finish's maps rule) bounds what ``schedule`` will take from above: each planned
+    request's positions from where its slots are pointed to its last token's block end.  Unplanned requests
+    and a decode step inside a pointed block want nothing; rows a finished request gave back count as free."""
+    toy = Toy(device, rows=24)
+    toy.new("a", True, 40)
+    toy.new("x", False, 40)
+    items = lambda work: [(rid, toy.t[rid], s, n) for rid, s, n in work]  # noqa: E731
+    assert not toy.maptap.short(items([("x", 0, 40)]))  # unplanned: no row
+    assert not toy.maptap.short(items([("a", 0, 21)]))  # 24 with the block's remainder: all of the free rows
+    assert toy.maptap.short(items([("a", 0, 25)]))  # 28
+    toy.step([("a", 0, 10)])  # rows for 0..11 (the block's remainder): 12 free
+    assert len(toy.maptap._free) == 12
+    assert not toy.maptap.short(items([("a", 10, 1)]))  # inside the pointed block: nothing more
+    assert not toy.maptap.short(items([("a", 10, 12)]))  # 12..23: 12 rows, 12 free
+    assert toy.maptap.short(items([("a", 10, 15)]))  # 12..27: 16
+    toy.new("b", True, 16)
+    assert toy.maptap.short(items([("a", 12, 1), ("b", 0, 9)]))  # 4 + 12 of 12 free: as schedule would ask
+    assert not toy.maptap.short(items([("a", 12, 1), ("b", 0, 8)]))  # 4 + 8
+    assert toy.finish("a", 10) is not None  # its rows back
+    assert not toy.maptap.short(items([("b", 0, 24)]))
+    # and what short() says is enough: schedule then gives every position a row
+    toy.step([("b", 0, 16)])
+    assert toy.maptap.lost == 0 and toy.finish("b", 16) is not None
