@@ -41,7 +41,12 @@ def stream_engine(gpu_model, tmp_path_factory):  # noqa: F811
     os.environ.setdefault("ATTN_OTEL_STREAM_DIRECT", "1")  # (auto would leave this small model's ring alone)
     from preemptions import count_preemptions
     from vllm import LLM
+    from vllm.utils import torch_utils
 
+    # An in-process engine of an earlier test in this pytest (tests/test_stream.py -m gpu) left this thread's
+    # vLLM stream made; the worker below then keeps it (and says so), and the priority test would see that,
+    # not what a fresh server process gets.  Forget it, as a fresh process has none.
+    torch_utils._current_stream_tls.value = None
     preempted = count_preemptions()
     llm = LLM(model=gpu_model, skip_tokenizer_init=True, max_model_len=1024, max_num_batched_tokens=256,
               max_num_seqs=32, gpu_memory_utilization=0.3, num_gpu_blocks_override=_blocks(), seed=0)
