@@ -112,9 +112,13 @@ PHASE_ENV = {"off": {}, "default": {"ATTN_OTEL": "1"}, "all": {"ATTN_OTEL": "1",
              "default-chunk32": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_CHUNK": "32"},
              "default-chunk0": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_CHUNK": "0"},
              # a finish batch due at 256 (or 32) waiting, not 64: the lock-stepped tail's captures left to the age
-             # rule or the idle step, or taken in smaller batches (not measured yet)
+             # rule or the idle step, or taken in smaller batches (run 51, H100, 512+256: 256 gave x0.9956 against
+             # the default's x0.9962 with 10 batches against 25, within the spread; 32 not measured)
              "default-batch256": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_REQUESTS": "256"},
-             "default-batch32": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_REQUESTS": "32"}}
+             "default-batch32": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_REQUESTS": "32"},
+             # the age rule at 64 steps, not 16: in run 51 (H100) kv_bound took 92 batches of about 11 requests, mostly
+             # due by age; fewer, larger ones (more of them due by reuse instead) (not measured yet)
+             "default-steps64": {"ATTN_OTEL": "1", "ATTN_OTEL_FINISH_BATCH_STEPS": "64"}}
 EXTRA_ENV: dict[str, str] = {}  # --env: one switch on top of every phase that captures (an A/B on one machine)
 
 
@@ -608,11 +612,12 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
     lines = ["| workload | default | all layers | measured on |", "| --- | --- | --- | --- |"]
     for wl in names:
         r = wls[wl]["ratios"]
-        lines.append(f"| {wl} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:.3f}" for c in configs)
+        # (4 places: a ratio of 0.9896 is a miss of the 0.99 target, which 3 places would print as 0.990)
+        lines.append(f"| {wl} | " + " | ".join("-" if r.get(c) is None else f"{r[c]:.4f}" for c in configs)
                      + f" | {measured[wl]} |")
     kv_at = list(dict.fromkeys(_machine(phases[p].get("gpu") or phases[p].get("device"), phases[p].get("date"))
                                for p in ("off", *configs.values()) if p in phases)) or [offline]
-    lines.append("| KV-cache capacity | " + " | ".join("-" if kv[c] is None else f"{kv[c]:.3f}" for c in configs)
+    lines.append("| KV-cache capacity | " + " | ".join("-" if kv[c] is None else f"{kv[c]:.4f}" for c in configs)
                  + f" | {'; '.join(kv_at)} |")
     (out / "overhead-table.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(11, 4.8))
@@ -622,8 +627,8 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
         xs = [i + (k - 0.5) * width for i in range(len(vals))]
         bars = ax.bar(xs, [v or 0 for v in vals], width, color=color, label=c.replace("_", " "))
         for b_, v in zip(bars, vals):
-            ax.text(b_.get_x() + b_.get_width() / 2, 0.61 if v is None else v + 0.01, "-" if v is None else f"{v:.3f}",
-                    ha="center", fontsize=7)
+            ax.text(b_.get_x() + b_.get_width() / 2, 0.61 if v is None else v + 0.01, "-" if v is None else f"{v:.4f}",
+                    ha="center", fontsize=6.5)
     ax.axhline(1.0, color="k", lw=0.8)
     import re
 
