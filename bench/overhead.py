@@ -73,6 +73,7 @@ MODELS = {"llama3-8b": LLAMA3_8B, "deepseek-v2-lite": DEEPSEEK_V2_LITE}
 MODEL = ["llama3-8b"]  # --model
 CAPACITY = [0.0]  # --capacity
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import code_id  # noqa: E402
 import online  # noqa: E402
 import workloads  # noqa: E402
 
@@ -299,7 +300,8 @@ def run_phase(phase: str, out: Path, repeats: int, wls: list[str], warm_runs: in
         kv_write = Config.from_env().kv_write
     gpu = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
     result = {"phase": phase, "model": MODEL[0], "device": torch.cuda.get_device_name(0), "gpu": gpu,
-              "vllm_version": vllm.__version__, "env": dict(EXTRA_ENV), "engine_start_s": start_s,
+              "vllm_version": vllm.__version__, "date": datetime.date.today().isoformat(),
+              "code_digest": _code_digest(), "env": dict(EXTRA_ENV), "engine_start_s": start_s,
               "kv_cache_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
               "kv_cache_tokens": (cache.num_gpu_blocks or 0) * cache.block_size, "runs": {},
               "kv_write": kv_write, "warm_runs": warm_runs}
@@ -451,6 +453,15 @@ def _attn_otel_origin(env: dict) -> str:
         return f"unknown ({e})"
 
 
+def _code_digest(package_dir: str | None = None) -> str | None:
+    """bench/code_id.py's digest of the attn-otel measured (``package_dir``, else the one this process finds):
+    ``python3 bench/code_id.py --find DIGEST`` names the commits with that code.  None where it cannot be read."""
+    try:
+        return code_id.digest_package(Path(package_dir)) if package_dir else code_id.digest_installed()
+    except Exception:  # noqa: BLE001 - a measurement is not lost for want of its label
+        return None
+
+
 def run_online(phase: str, out: Path, repeats: int, warm_runs: int = 1, per_run: bool = False) -> dict:
     """The online workload for ``phase``: its own OpenAI server; the capacity from DIR/online-off.json (the
     off phase measures it, so run it first).  After a light load, ``warm_runs`` whole runs at the measured rate
@@ -477,6 +488,7 @@ def run_online(phase: str, out: Path, repeats: int, warm_runs: int = 1, per_run:
     result = {"phase": phase, "engine_start_s": start_s, "runs": [], "device": gpu,
               "vllm_version": version("vllm"), "date": datetime.date.today().isoformat(),
               "attn_otel": _attn_otel_origin(env), "env": dict(EXTRA_ENV)}
+    result["code_digest"] = _code_digest(result["attn_otel"])
     try:
         online.run_load(4.0, seed=98, n=16)  # warm-up: a light load (small batches)
         if CAPACITY[0]:
@@ -590,7 +602,7 @@ def report(out: Path, device: str | None = None, vllm_version: str | None = None
     doc = {
         "device": off.get("device", device), "vllm_version": off.get("vllm_version", vllm_version),
         "date": off.get("date") or datetime.date.today().isoformat(),  # the measurement's, where the phase has it
-        "code": off.get("code"),
+        "code": off.get("code"), "code_digest": off.get("code_digest"),
         "model": "Llama-3-8B-shaped, load_format=dummy, bf16",
         "command": "python3 bench/overhead.py --phase off --phase default --phase all --out DIR; "
                    "python3 bench/overhead.py --online off --online default --online all --out DIR; "
