@@ -1539,7 +1539,9 @@ def _track(runner, engine, so, t0: float) -> None:
     if deferred.due(fresh, empty, short):
         engine.stats.add("finish_batch_reasons", reason=deferred.reason)
         req_ids, batch = deferred.take(deferred.limit)
-        if engine.config.after_launch and not deferred.reused:  # this forward writes none of their blocks
+        # after the launch where this forward writes none of their blocks and wants none of their map-tap rows
+        # (a batch due for maps gives them back here, before maptap.schedule below takes rows for this step)
+        if engine.config.after_launch and not deferred.reused and deferred.reason != "maps":
             engine.after_launch = (req_ids, batch)
         else:
             _timed_finish_batch(engine, req_ids, batch)

@@ -60,6 +60,18 @@ for bi, prompts in enumerate(batches):
     for o, t in zip(outs, traces):
         runs.append({"trace": t, "ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids),
                      "prompt_len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0, "mode": mode})
+# a maps request left held (no idle step after it), then one that wants map-tap rows it has: with the held engine's
+# 128 rows (_EXTRA) the second one's first step is short of rows, so the batch is due for maps then, and taken
+# before that step's rows are given (not after the launch, which would be too late: the second one lost maps)
+for _ in range(2):
+    t = new_trace_id()
+    (o,) = llm.generate([{"prompt_token_ids": rng.integers(100, 40000, 60).tolist()}],
+                        [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                        extra_args={"attn_otel": "maps", "traceparent": f"00-{t}-{new_span_id()}-01"})],
+                        use_tqdm=False)
+    runs.append({"trace": t, "ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids),
+                 "prompt_len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0, "mode": "maps"})
+llm.llm_engine.step()
 (engine,) = vllm_adapter.engines()
 # one more batch, its finished requests' blocks still held (no idle step after it), then a prefix-cache reset,
 # which fails while any block is in use
@@ -109,7 +121,9 @@ def _run(smollm2_path, d: Path, blocks: int, extra: dict | None = None):
 # the two engines' KV caches (blocks of 32 tokens; 0: vLLM's own, about 1,400)
 _BLOCKS = {"streamed_run": 20, "held_run": 0}
 # the held engine's finish batches are due at 3 waiting, and such a batch takes the oldest 2 (attn_otel.deferred)
-_EXTRA = {"held_run": {"ATTN_OTEL_FINISH_BATCH_REQUESTS": "3", "ATTN_OTEL_FINISH_BATCH_CHUNK": "2"}}
+# and its map tap has 128 rows (a maps request of 60 + 8 tokens takes 96: two such do not fit at once)
+_EXTRA = {"held_run": {"ATTN_OTEL_FINISH_BATCH_REQUESTS": "3", "ATTN_OTEL_FINISH_BATCH_CHUNK": "2",
+                       "ATTN_OTEL_MAP_TAP_TOKENS": "128"}}
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +223,11 @@ def test_held_blocks_leave_finished_rows_to_their_batch(held_run):
     # count (3 here) made one due it took the oldest 2 and left the rest held (_EXTRA), none of them lost
     assert stats["finish_batch_sizes"]["max"] >= 2 and res["finish_batches"] < len(res["runs"]) + 2, stats
     assert stats["finish_batch_reasons"].get("count", 0) >= 1, stats["finish_batch_reasons"]
+    # a finished maps request waited while no step wanted its map-tap rows, and its batch was due for maps in the
+    # step that did: the request after it kept every query (test_streamed_and_map_layers_equal_hf_eager opens its
+    # maps), none was skipped for want of rows
+    assert stats["finish_batch_reasons"].get("maps", 0) >= 1, stats["finish_batch_reasons"]
+    assert "map_rows_missing" not in stats["skipped"] and stats["maps_stored"] == 3, stats
     assert res["free_blocks"] == res["num_blocks"] - 1, res  # all but vLLM's null block
     assert res["preempted"] == 0 and res["pending"] == 0
 
