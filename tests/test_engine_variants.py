@@ -63,8 +63,12 @@ def _job(key: str, tmp: Path):
     kind, _, which = key.partition(":")
     if kind == "served":
         # gpt-oss runs its work after the launch after each step's sampler (ATTN_OTEL_AFTER_LAUNCH=sample), Gemma 2
-        # as the forward is launched (the default): each is held to HF eager below all the same
-        return BUILD[which](tmp / "model"), ("--twins",), {"ATTN_OTEL_AFTER_LAUNCH": "sample"} if which == "gptoss" else None
+        # as the forward is launched (the default): each is held to HF eager below all the same.  gpt-oss's finish
+        # batches are due at one request (the count rule), so that some are taken in a step with a forward: its
+        # maps requests no longer make their batch due where no step wants their map-tap rows (66c57a4), and the
+        # idle step's batch has no sampler to run after
+        env = {"ATTN_OTEL_AFTER_LAUNCH": "sample", "ATTN_OTEL_FINISH_BATCH_REQUESTS": "1"}
+        return BUILD[which](tmp / "model"), ("--twins",), env if which == "gptoss" else None
     if kind == "all-window":
         model = (build_mistral(tmp / "model") if which == "mistral"
                  else build_gemma2(tmp / "model", all_window=True))
