@@ -49,28 +49,30 @@ batches = [
     [rng.integers(100, 40000, 60).tolist()],                               # a maps capture
 ]
 runs = []
-for bi, prompts in enumerate(batches):
+
+
+def generate(prompts, mode, max_tokens, more=0, idle_step=True):
+    """The prompts traced, capture ``mode``, ``max_tokens + more * i`` tokens for the i-th, recorded in ``runs``;
+    ``idle_step``: the step after them, which finds the engine idle (and takes their finish batch)."""
     traces = [new_trace_id() for _ in prompts]
-    mode = "maps" if bi == 3 else "metrics"
-    params = [SamplingParams(max_tokens=24 + 3 * i, temperature=0.0, ignore_eos=True,
+    params = [SamplingParams(max_tokens=max_tokens + more * i, temperature=0.0, ignore_eos=True,
                              extra_args={"attn_otel": mode, "traceparent": f"00-{t}-{new_span_id()}-01"})
               for i, t in enumerate(traces)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.step()
+    if idle_step:
+        llm.llm_engine.step()
     for o, t in zip(outs, traces):
         runs.append({"trace": t, "ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids),
                      "prompt_len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0, "mode": mode})
+
+
+for bi, prompts in enumerate(batches):
+    generate(prompts, "maps" if bi == 3 else "metrics", 24, more=3)
 # a maps request left held (no idle step after it), then one that wants map-tap rows it has: with the held engine's
 # 128 rows (_EXTRA) the second one's first step is short of rows, so the batch is due for maps then, and taken
 # before that step's rows are given (not after the launch, which would be too late: the second one lost maps)
 for _ in range(2):
-    t = new_trace_id()
-    (o,) = llm.generate([{"prompt_token_ids": rng.integers(100, 40000, 60).tolist()}],
-                        [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                        extra_args={"attn_otel": "maps", "traceparent": f"00-{t}-{new_span_id()}-01"})],
-                        use_tqdm=False)
-    runs.append({"trace": t, "ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids),
-                 "prompt_len": len(o.prompt_token_ids), "cached": o.num_cached_tokens or 0, "mode": "maps"})
+    generate([rng.integers(100, 40000, 60).tolist()], "maps", 8, idle_step=False)
 llm.llm_engine.step()
 (engine,) = vllm_adapter.engines()
 # one more batch, its finished requests' blocks still held (no idle step after it), then a prefix-cache reset,
