@@ -517,13 +517,12 @@ if triton is not None:
         # bound there, each a program storing the same row.
         t = tl.program_id(0)
         slot = tl.load(IDX + t).to(tl.int64)
+        keep = slot >= 0
         if RING:
             row = tl.where(slot < 0, pad, (tl.load(BASE).to(tl.int64) + t) % ring)
-            tl.store(TABLE + tl.maximum(slot, 0), row, mask=slot >= 0)
-            keep = slot >= 0
+            tl.store(TABLE + tl.maximum(slot, 0), row, mask=keep)
         else:
             row = tl.where(slot < 0, pad, slot)
-            keep = slot >= 0
             if HAS_TABLE:
                 row = tl.load(TABLE + row).to(tl.int64)
                 keep = row != tl.load(TABLE + pad).to(tl.int64)
