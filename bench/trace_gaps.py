@@ -167,6 +167,9 @@ def _launchers(events: list[dict], host: dict, starts: dict, wanted: set) -> dic
 
 
 OWN = ("_row_metrics", "_summaries", "_scatter_rows", "_ring_advance")  # attn-otel's Triton kernels
+# vLLM's attention kernels by name (FlashAttention 2/3 and its split-KV combine, the Triton backend's, FlashInfer's),
+# not its KV-cache write (reshape_and_cache_flash_kernel): what attn-otel's metric kernel is set against per step
+ATTENTION = re.compile(r"flash::|flash_fwd|FlashAttn|unified_attention|BatchPrefill|BatchDecode|fmha", re.I)
 _STEP = re.compile(r"execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)")
 _DECODE_EDGES = (0, 8, 32, 64, 128, 192, 256, 384, 512, 1 << 30)
 
@@ -182,8 +185,8 @@ def step_kind(ctx_reqs: int, ctx_tokens: int, gen_reqs: int) -> str:
 
 
 def summary(events: list[dict]) -> dict:
-    """The trace by engine step: per step kind, the steps, their kernels' device time (vLLM's own and
-    attn-otel's, :data:`OWN`), the span from a step's first kernel to its last, and the GPU's idle time (no
+    """The trace by engine step: per step kind, the steps, their kernels' device time (vLLM's own, of which its
+    attention kernels by :data:`ATTENTION`, and attn-otel's, :data:`OWN`), the span from a step's first kernel to its last, and the GPU's idle time (no
     kernel, copy or set on any stream) in that span and before it, since the previous step's last kernel;
     kernels launched outside every step (attn-otel's threads; vLLM's sampler, launched after execute_model) by
     stream and by name; and the whole window's span, busy and idle time."""
@@ -193,7 +196,7 @@ def summary(events: list[dict]) -> dict:
     starts = [s[0] for s in steps]
     launch = {c: (e["ts"], e.get("tid")) for c, e in _runtime_calls(events).items()}  # correlation -> host time, thread
     kinds: dict = {}
-    per_step = [{"own": 0.0, "vllm": 0.0, "first": None, "last": None} for _ in steps]
+    per_step = [{"own": 0.0, "vllm": 0.0, "attention": 0.0, "first": None, "last": None} for _ in steps]
     outside: collections.Counter = collections.Counter()
     outside_by_name: collections.Counter = collections.Counter()
     in_steps: collections.Counter = collections.Counter()  # every kernel launched in a step: time, launches
@@ -215,6 +218,8 @@ def summary(events: list[dict]) -> dict:
         in_steps_n[name] += 1
         p = per_step[i]
         p["own" if own else "vllm"] += d
+        if not own and ATTENTION.search(name):
+            p["attention"] += d
         p["first"] = a if p["first"] is None else min(p["first"], a)
         p["last"] = a + d if p["last"] is None else max(p["last"], a + d)
     gpu.sort()
@@ -244,11 +249,12 @@ def summary(events: list[dict]) -> dict:
         if p["first"] is None:
             continue
         k = kinds.setdefault(step_kind(int(g[0]), int(g[1]), int(g[2])),
-                             {"steps": 0, "tokens": 0, "vllm_us": 0.0, "own_us": 0.0, "span_us": 0.0,
-                              "idle_before_us": 0.0, "idle_in_us": 0.0})
+                             {"steps": 0, "tokens": 0, "vllm_us": 0.0, "attention_us": 0.0, "own_us": 0.0,
+                              "span_us": 0.0, "idle_before_us": 0.0, "idle_in_us": 0.0})
         k["steps"] += 1
         k["tokens"] += int(g[1]) + int(g[3])
         k["vllm_us"] += p["vllm"]
+        k["attention_us"] += p["attention"]
         k["own_us"] += p["own"]
         k["span_us"] += p["last"] - p["first"]
         k["idle_in_us"] += idle_between(p["first"], p["last"])
@@ -283,6 +289,15 @@ def compare(off: dict, on: dict) -> str:
                    f"| {pb['own_us']:.0f} | {pa['span_us']:.0f} / {pb['span_us']:.0f} "
                    f"| x{pb['span_us'] / max(pa['span_us'], 1e-9):.3f} | {pa['idle_before_us']:.0f} / {pb['idle_before_us']:.0f} "
                    f"| {pa.get('idle_in_us', float('nan')):.0f} / {pb.get('idle_in_us', float('nan')):.0f} |")
+    att = [(name, off["kinds"][name], on["kinds"][name]) for name in sorted(set(off["kinds"]) & set(on["kinds"]),
+           key=lambda n: (n != "prefill", len(n), n)) if "attention_us" in off["kinds"][name] and "attention_us" in on["kinds"][name]]
+    if att:  # (summaries since run 52): per step, vLLM's attention kernels (every layer's) against attn-otel's kernels
+        out += ["", "| step kind | vLLM's attention kernels a step, us (off / on) | attn-otel's kernels / vLLM's attention |",
+                "| --- | --- | --- |"]
+        for name, a, b in att:
+            pa, pb = a["attention_us"] / a["steps"], b["attention_us"] / b["steps"]
+            out.append(f"| {name} | {pa:.0f} / {pb:.0f} | "
+                       + (f"{b['own_us'] / b['attention_us']:.3f} |" if b["attention_us"] else "- |"))
     for part in ("own in steps", "outside steps"):
         names = {**off.get("by_name_us", {}).get(part, {}), **on.get("by_name_us", {}).get(part, {})}
         if names:

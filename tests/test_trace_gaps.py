@@ -109,6 +109,7 @@ def test_the_summary_puts_each_kernel_in_the_step_that_launched_it():
     assert (dec["steps"], dec["tokens"], dec["vllm_us"], dec["own_us"], dec["span_us"]) == (2, 6, 250, 0, 250)
     assert dec["idle_before_us"] == 80 + 30  # 520 -> 600; 750 -> 800 but for the sampler's 760 -> 780
     assert pre["idle_in_us"] == 0 and dec["idle_in_us"] == 0
+    assert (pre["attention_us"], dec["attention_us"]) == (0, 50)  # flash_fwd: vLLM's attention, by name
     assert s["outside_us"] == {"stream 13 attn-otel": 30, "stream 7 other": 30}
     assert s["by_name_us"] == {"own in steps": {"_scatter_rows_0d1": 20},
                                "outside steps": {"_row_metrics": 30, "sampler": 20, "memcpy-ish": 10}}
@@ -121,6 +122,7 @@ def test_compare_sets_two_summaries_side_by_side_by_step_kind(tmp_path):
     on = trace_gaps.summary([_step(0, 50, 0, 0, 3, 3), _launch(10, 1), _k("gemm", 100, 440, 1),
                              _k("_ring_advance", 545, 10, 1), _step(60, 50, 1, 64, 0, 0)])
     text = trace_gaps.compare(off, on)
+    assert "| decode 1-8 | 0 / 0 | - |" in text  # no attention kernel in these steps
     assert "| decode 1-8 | 1 / 1 | 3 / 3 | 400 / 440 | x1.100 | 10 | 400 / 455 | x1.137 | 0 / 0 | 0 / 5 |" in text
     assert "| prefill | None / None |" not in text and "steps 1 / 2" in text
     assert "        0 /        10  _ring_advance" in text.split("own in steps, the longest by kernel, us (off / on):")[1]
@@ -129,6 +131,24 @@ def test_compare_sets_two_summaries_side_by_side_by_step_kind(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(off))
     (tmp_path / "b.json").write_text(json.dumps(on))
     assert trace_gaps.main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+
+
+def test_compare_sets_attn_otels_kernels_against_vllms_attention_per_step_kind():
+    """vLLM's attention kernels are found by name (FlashAttention-3's, its combine, the Triton backend's), not its
+    KV-cache write; the compare prints them per step and attn-otel's kernels as a share of them (run 52 had to
+    estimate the prefill's attention time from a whole-run total)."""
+    def trace(own):
+        ev = [_step(0, 50, 1, 4096, 0, 0), _launch(10, 1), _k("gemm", 100, 400, 1),
+              _k("void cutlass::device_kernel<flash::enable_sm90_or_later<flas", 500, 300, 1),
+              _k("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16", 800, 10, 1),
+              _step(60, 50, 0, 0, 3, 3), _launch(70, 2), _k("kernel_unified_attention_2d", 900, 40, 2)]
+        return ev + ([_k("_row_metrics", 810, 75, 1)] if own else [])
+    off, on = trace_gaps.summary(trace(False)), trace_gaps.summary(trace(True))
+    assert on["kinds"]["prefill"]["attention_us"] == 300 and on["kinds"]["decode 1-8"]["attention_us"] == 40
+    text = trace_gaps.compare(off, on)
+    assert "| prefill | 300 / 300 | 0.250 |" in text and "| decode 1-8 | 40 / 40 | 0.000 |" in text
+    old = {**off, "kinds": {k: {n: v for n, v in d.items() if n != "attention_us"} for k, d in off["kinds"].items()}}
+    assert "vLLM's attention kernels a step" not in trace_gaps.compare(old, on)  # a summary from before run 52
 
 
 def test_idle_time_is_put_on_the_host_code_that_launched_the_op_the_gpu_waited_for():
