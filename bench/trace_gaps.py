@@ -186,8 +186,9 @@ def step_kind(ctx_reqs: int, ctx_tokens: int, gen_reqs: int) -> str:
 
 def summary(events: list[dict]) -> dict:
     """The trace by engine step: per step kind, the steps, their kernels' device time (vLLM's own, of which its
-    attention kernels by :data:`ATTENTION`, and attn-otel's, :data:`OWN`), the span from a step's first kernel to its last, and the GPU's idle time (no
-    kernel, copy or set on any stream) in that span and before it, since the previous step's last kernel;
+    attention kernels by :data:`ATTENTION`, and attn-otel's, :data:`OWN`), the span from a step's first kernel
+    to its last, and the GPU's idle time (no kernel, copy or set on any stream) in that span and before it, since
+    the previous step's last kernel;
     kernels launched outside every step (attn-otel's threads; vLLM's sampler, launched after execute_model) by
     stream and by name; and the whole window's span, busy and idle time."""
     steps = sorted((e["ts"], e["ts"] + e.get("dur", 0), m.groups(), e.get("tid")) for e in events
@@ -277,6 +278,7 @@ def compare(off: dict, on: dict) -> str:
            "| step kind | steps | tokens a step | vLLM's kernels a step, us | x | attn-otel's kernels a step, us "
            "| span a step, us | x | GPU idle before a step, us | GPU idle in a step, us |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    att = []  # (summaries since run 52): per step, vLLM's attention kernels (every layer's) against attn-otel's
     for name in sorted(set(off["kinds"]) | set(on["kinds"]), key=lambda n: (n != "prefill", len(n), n)):
         a, b = off["kinds"].get(name), on["kinds"].get(name)
         if not a or not b:
@@ -289,15 +291,12 @@ def compare(off: dict, on: dict) -> str:
                    f"| {pb['own_us']:.0f} | {pa['span_us']:.0f} / {pb['span_us']:.0f} "
                    f"| x{pb['span_us'] / max(pa['span_us'], 1e-9):.3f} | {pa['idle_before_us']:.0f} / {pb['idle_before_us']:.0f} "
                    f"| {pa.get('idle_in_us', float('nan')):.0f} / {pb.get('idle_in_us', float('nan')):.0f} |")
-    att = [(name, off["kinds"][name], on["kinds"][name]) for name in sorted(set(off["kinds"]) & set(on["kinds"]),
-           key=lambda n: (n != "prefill", len(n), n)) if "attention_us" in off["kinds"][name] and "attention_us" in on["kinds"][name]]
-    if att:  # (summaries since run 52): per step, vLLM's attention kernels (every layer's) against attn-otel's kernels
-        out += ["", "| step kind | vLLM's attention kernels a step, us (off / on) | attn-otel's kernels / vLLM's attention |",
-                "| --- | --- | --- |"]
-        for name, a, b in att:
-            pa, pb = a["attention_us"] / a["steps"], b["attention_us"] / b["steps"]
-            out.append(f"| {name} | {pa:.0f} / {pb:.0f} | "
+        if "attention_us" in pa and "attention_us" in pb:
+            att.append(f"| {name} | {pa['attention_us']:.0f} / {pb['attention_us']:.0f} | "
                        + (f"{b['own_us'] / b['attention_us']:.3f} |" if b["attention_us"] else "- |"))
+    if att:
+        out += ["", "| step kind | vLLM's attention kernels a step, us (off / on) | attn-otel's kernels / vLLM's attention |",
+                "| --- | --- | --- |", *att]
     for part in ("own in steps", "outside steps"):
         names = {**off.get("by_name_us", {}).get(part, {}), **on.get("by_name_us", {}).get(part, {})}
         if names:
